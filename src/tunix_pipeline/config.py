@@ -1,0 +1,146 @@
+"""Typed parameters: one pydantic model per `parameters_<stage>.yml` section.
+
+Nodes type-hint their `params:` inputs with these models, so Kedro validates
+the whole configuration before any node runs; unknown keys are errors
+(`extra="forbid"`), which catches typos such as `max_step`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ---------------------------------------------------------------- ingest
+class HubDataset(Strict):
+    """Arguments of `datasets.load_dataset(path, name, split=..., ...)`."""
+
+    path: str
+    name: str | None = None
+    split: str = "train"
+    data_files: str | list[str] | None = None
+    revision: str | None = None
+
+
+class SourceParams(Strict):
+    name: str
+    path: str | None = Field(None, description="local .jsonl/.json/.parquet/.csv file")
+    hf: HubDataset | None = None
+    format: Literal["gsm8k", "alpaca", "messages", "prompt_response"]
+    # canonical field -> column name in this source, e.g. {question: problem}
+    columns: dict[str, str] = {}
+    weight: float = Field(1.0, gt=0, description="multiplies this source's share of train rows")
+    max_rows: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_location(self):
+        if (self.path is None) == (self.hf is None):
+            raise ValueError(f"source '{self.name}': set exactly one of `path` or `hf`")
+        return self
+
+
+class IngestParams(Strict):
+    sources: list[SourceParams] = Field(min_length=1)
+    eval_fraction: float = Field(0.1, ge=0, lt=1)
+    seed: int = 0
+    dedup: bool = True
+    on_bad_row: Literal["skip", "fail"] = "skip"
+
+    @model_validator(mode="after")
+    def _unique_names(self):
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"source names must be unique, got {names}")
+        return self
+
+
+# ---------------------------------------------------------------- model
+class TinyModelParams(Strict):
+    """A Gemma-architecture model with random weights, built offline."""
+
+    vocab_size: int = Field(512, ge=300)
+    hidden_size: int = 64
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 1
+    head_dim: int = 16
+    seed: int = 0
+
+
+class ModelParams(Strict):
+    # "tiny" (built locally from `tiny`), a local Hugging Face folder, or a hub id
+    source: str = "tiny"
+    revision: str | None = None
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    local_dir: str = Field("data/06_models/base_model", description="where `tiny` is built")
+    tiny: TinyModelParams = TinyModelParams()
+
+
+# ---------------------------------------------------------------- format / tokenize
+class FormatParams(Strict):
+    # auto: the tokenizer's own chat template if it has one, else Gemma's turn format
+    chat_template: Literal["auto", "gemma"] = "auto"
+    system_prompt: str | None = None
+
+
+class TokenizeParams(Strict):
+    max_length: int = Field(gt=8)
+    overflow: Literal["truncate", "drop"] = "truncate"
+    histogram_bins: int = Field(10, gt=0)
+
+
+# ---------------------------------------------------------------- runtime / sft / evaluate
+class RuntimeParams(Strict):
+    # Fake CPU devices to expose when JAX runs on the CPU (no effect on GPU/TPU).
+    host_device_count: int = Field(1, ge=1)
+    # "auto": every device on the fsdp axis; or explicit sizes, e.g. {fsdp: 4, tp: 2}
+    mesh: Literal["auto"] | dict[Literal["fsdp", "tp"], int] = "auto"
+
+
+class SftParams(Strict):
+    max_steps: int = Field(gt=0)
+    per_device_batch_size: int = Field(gt=0)
+    optimizer: Literal["adamw", "adafactor"] = "adamw"
+    learning_rate: float = Field(gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    checkpoint_dir: str = "data/06_models/sft_checkpoints"
+    checkpoint_every: int = Field(gt=0)
+    keep_checkpoints: int = Field(3, gt=0)
+    eval_every: int | None = Field(None, gt=0)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _warmup_fits(self):
+        if self.warmup_steps >= self.max_steps:
+            raise ValueError(
+                f"warmup_steps ({self.warmup_steps}) must be smaller than max_steps ({self.max_steps})"
+            )
+        return self
+
+
+class EvaluateParams(Strict):
+    num_prompts: int = Field(16, ge=0, description="held-out prompts to generate for")
+    max_new_tokens: int = Field(64, gt=0)
+    batch_size: int = Field(8, gt=0)
+    temperature: float = Field(0.0, ge=0)
+    numeric_tolerance: float = Field(1e-6, ge=0)
+    compare_base_model: bool = True
+
+
+class TrackingParams(Strict):
+    enabled: bool = True
+    experiment: str = "tunix_pipeline"
+    # MLFLOW_TRACKING_URI, when set, wins over this default.
+    tracking_uri: str = "sqlite:///mlflow.db"
+    # Node outputs logged to the run: dicts as JSON + numeric metrics,
+    # DataFrames as JSONL, strings as text.
+    log_outputs: list[str] = []

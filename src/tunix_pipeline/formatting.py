@@ -1,0 +1,89 @@
+"""Renders records as (prompt, completion) text pairs.
+
+The prompt is the conversation up to the model's turn, rendered with the
+tokenizer's own chat template when it has one, else with Gemma's turn format
+(which is what Gemma's template renders, so both paths agree for Gemma).
+The completion is `<reasoning>…</reasoning><answer>…</answer>` plus the
+end-of-turn marker, kept apart from the prompt so the loss can skip it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pandas as pd
+
+from tunix_pipeline.config import FormatParams
+from tunix_pipeline.ingest import conversation
+
+GEMMA_END_OF_TURN = "<end_of_turn>"
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+_WELL_FORMED = re.compile(r"^\s*<reasoning>.+?</reasoning>\s*<answer>.+?</answer>\s*$", re.S)
+FORMATTED_COLUMNS = ["id", "source", "prompt", "completion", "answer"]
+
+
+def reasoning_completion(reasoning: str, answer: str) -> str:
+    return f"<reasoning>{reasoning}</reasoning><answer>{answer}</answer>"
+
+
+def extract_answer(text: str) -> str | None:
+    """The text inside the first <answer>…</answer>, or None."""
+    match = _ANSWER.search(text)
+    return match.group(1).strip() if match else None
+
+
+def is_well_formed(text: str) -> bool:
+    """Exactly the reasoning format: <reasoning>…</reasoning><answer>…</answer>."""
+    return bool(_WELL_FORMED.match(text))
+
+
+def _conversation(record: dict, system_prompt: str | None) -> list[dict]:
+    messages = conversation(record)
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def gemma_turns(messages: list[dict], bos_token: str) -> str:
+    """Gemma's turn format; a system message is folded into the first user turn."""
+    messages = list(messages)
+    if messages and messages[0]["role"] == "system":
+        system = messages.pop(0)["content"]
+        messages[0] = {**messages[0], "content": f"{system}\n\n{messages[0]['content']}"}
+    text = bos_token
+    for m in messages:
+        role = "model" if m["role"] == "assistant" else m["role"]
+        text += f"<start_of_turn>{role}\n{m['content'].strip()}{GEMMA_END_OF_TURN}\n"
+    return text + "<start_of_turn>model\n"
+
+
+def render_prompt(messages: list[dict], tokenizer, params: FormatParams) -> str:
+    if params.chat_template == "auto" and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return gemma_turns(messages, tokenizer.bos_token or "")
+
+
+def end_of_turn(tokenizer) -> str:
+    """What closes the model's turn: Gemma's marker, else the tokenizer's EOS."""
+    vocab = tokenizer.get_vocab()
+    if GEMMA_END_OF_TURN in vocab:
+        return GEMMA_END_OF_TURN
+    return tokenizer.eos_token or ""
+
+
+def format_records(records: pd.DataFrame, tokenizer, params: FormatParams) -> pd.DataFrame:
+    closing = end_of_turn(tokenizer)
+    rows = []
+    for record in records.to_dict(orient="records"):
+        prompt = render_prompt(_conversation(record, params.system_prompt), tokenizer, params)
+        completion = reasoning_completion(record["reasoning"], record["answer"]) + closing
+        rows.append(
+            {
+                "id": record["id"],
+                "source": record["source"],
+                "prompt": prompt,
+                "completion": completion,
+                "answer": record["answer"],
+            }
+        )
+    return pd.DataFrame(rows, columns=FORMATTED_COLUMNS)

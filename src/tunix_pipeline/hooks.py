@@ -1,0 +1,74 @@
+"""Project hooks: JAX device set-up before any node, and one MLflow run per `kedro run`."""
+
+from __future__ import annotations
+
+import logging
+
+from kedro.framework.hooks import hook_impl
+
+from tunix_pipeline.config import RuntimeParams, TrackingParams
+from tunix_pipeline.runtime import configure_host_devices
+
+log = logging.getLogger(__name__)
+
+
+class ProjectHooks:
+    def __init__(self):
+        self._tracking: TrackingParams | None = None
+        self._params: dict = {}
+        self._env: str | None = None
+        self._run = None
+
+    @hook_impl
+    def after_context_created(self, context) -> None:
+        raw = context.config_loader["parameters"]
+        configure_host_devices(RuntimeParams.model_validate(raw.get("runtime", {})).host_device_count)
+        self._tracking = TrackingParams.model_validate(raw.get("tracking", {}))
+        self._params = raw
+        self._env = context.env
+
+    @hook_impl
+    def before_pipeline_run(self, run_params: dict) -> None:
+        import jax
+
+        from tunix_pipeline import tracking
+
+        if not self._tracking or not self._tracking.enabled or jax.process_index() != 0:
+            return
+        pipelines = run_params.get("pipeline_names") or [run_params.get("pipeline_name") or "__default__"]
+        self._run = tracking.start_run(
+            self._tracking,
+            self._params,
+            tags={
+                "kedro.env": run_params.get("env") or self._env,
+                "kedro.pipelines": ",".join(p or "__default__" for p in pipelines),
+                "kedro.session_id": run_params.get("session_id"),
+                "mlflow.source.git.commit": tracking.git_commit(),
+            },
+        )
+        log.info("MLflow run %s in %s", self._run.info.run_id, tracking.tracking_uri(self._tracking))
+
+    @hook_impl
+    def after_node_run(self, node, outputs: dict) -> None:
+        from tunix_pipeline import tracking
+
+        if self._run is None:
+            return
+        for name, value in outputs.items():
+            if name in self._tracking.log_outputs:
+                tracking.log_output(name, value)
+
+    @hook_impl
+    def after_pipeline_run(self) -> None:
+        self._finish(failed=False)
+
+    @hook_impl
+    def on_pipeline_error(self) -> None:
+        self._finish(failed=True)
+
+    def _finish(self, failed: bool) -> None:
+        from tunix_pipeline import tracking
+
+        if self._run is not None:
+            tracking.end_run(failed)
+            self._run = None

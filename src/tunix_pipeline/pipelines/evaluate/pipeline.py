@@ -1,0 +1,24 @@
+from kedro.pipeline import Node, Pipeline
+
+from .nodes import evaluate_models
+
+
+def create_pipeline(**kwargs) -> Pipeline:
+    return Pipeline(
+        [
+            Node(
+                evaluate_models,
+                inputs=[
+                    "eval_tokens",
+                    "eval_formatted",
+                    "base_model",
+                    "sft_result",
+                    "params:model",
+                    "params:evaluate",
+                    "params:runtime",
+                ],
+                outputs=["eval_metrics", "eval_samples", "eval_report"],
+                name="evaluate_models",
+            )
+        ]
+    )

@@ -1,0 +1,23 @@
+import jax
+import mlflow
+import pandas as pd
+
+from tunix_pipeline.config import ModelParams, RuntimeParams, SftParams
+from tunix_pipeline.models import load_model
+from tunix_pipeline.tracking import MlflowBackend
+from tunix_pipeline.training import make_mesh, train
+
+
+def train_sft(
+    train_tokens: pd.DataFrame,
+    eval_tokens: pd.DataFrame,
+    base_model: dict,
+    model: ModelParams,
+    sft: SftParams,
+    runtime: RuntimeParams,
+) -> dict:
+    mesh = make_mesh(runtime)
+    network, _ = load_model(base_model["path"], mesh, model.dtype)
+    live = mlflow.active_run() is not None and jax.process_index() == 0
+    result = train(network, train_tokens, eval_tokens, sft, mesh, [MlflowBackend] if live else None)
+    return {**result, "mesh": dict(mesh.shape), "base_model": base_model["path"]}

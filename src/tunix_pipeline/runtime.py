@@ -1,0 +1,19 @@
+"""Process-level JAX set-up that must happen before JAX picks its devices."""
+
+from __future__ import annotations
+
+import os
+
+FAKE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+def configure_host_devices(count: int) -> None:
+    """Expose `count` CPU devices (a fake mesh when there is no accelerator).
+
+    Only the CPU platform reads the flag, so it is harmless on GPU and TPU; an
+    explicit flag in XLA_FLAGS wins. Has no effect once JAX has initialised its
+    backends, which is why the project hook calls it before any node runs.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if count > 1 and FAKE_DEVICES_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {FAKE_DEVICES_FLAG}={count}".strip()
