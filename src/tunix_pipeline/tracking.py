@@ -19,6 +19,7 @@ import pandas as pd
 from tunix_pipeline.config import TrackingParams
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on one parameter value
+COMPILE_EVENT = "jax/core/compile/backend_compile_duration"
 
 
 def tracking_uri(params: TrackingParams) -> str:
@@ -97,6 +98,9 @@ class MlflowBackend:
         self._run_id = run.info.run_id
 
     def log_scalar(self, event: str, value, **kwargs) -> None:
+        # JAX and Orbax report their own internals on the same channel; keep compile time only
+        if event.startswith("jax/") and event != COMPILE_EVENT:
+            return
         number = _numeric(np.asarray(value).item() if hasattr(value, "shape") else value)
         if number is None:
             return

@@ -232,7 +232,15 @@ def train(
         max_steps=sft.max_steps,
         checkpoint_root_directory=str(ckpt_dir),
         checkpointing_options=ocp.CheckpointManagerOptions(
-            save_interval_steps=sft.checkpoint_every, max_to_keep=sft.keep_checkpoints
+            # every N steps (and on a preemption notice), without Orbax's extra save at the first step;
+            # the trainer always saves the last step when it stops
+            save_decision_policy=ocp.checkpoint_managers.AnySavePolicy(
+                [
+                    ocp.checkpoint_managers.FixedIntervalPolicy(sft.checkpoint_every),
+                    ocp.checkpoint_managers.PreemptionCheckpointingPolicy(),
+                ]
+            ),
+            max_to_keep=sft.keep_checkpoints,
         ),
         data_sharding_axis=("fsdp",),
         pbar_description="sft",

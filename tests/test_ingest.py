@@ -1,0 +1,157 @@
+import json
+
+import pandas as pd
+import pytest
+
+from tunix_pipeline.config import IngestParams, SourceParams
+from tunix_pipeline.ingest import DataError, ingest, split_completion
+
+from .conftest import ROOT
+
+
+def _jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def _params(*sources, **kwargs):
+    return IngestParams(sources=list(sources), **{"eval_fraction": 0.0, **kwargs})
+
+
+def test_committed_sources_in_three_formats():
+    raw = ROOT / "data" / "01_raw"
+    train, evaluation, report = ingest(
+        IngestParams(
+            sources=[
+                SourceParams(name="gsm", path=str(raw / "arith_gsm8k.jsonl"), format="gsm8k"),
+                SourceParams(name="alpaca", path=str(raw / "arith_alpaca.csv"), format="alpaca"),
+                SourceParams(name="chat", path=str(raw / "arith_chat.jsonl"), format="messages"),
+            ],
+            eval_fraction=0.1,
+        )
+    )
+    assert report["totals"] == {
+        "rows_read": 400, "kept": 400, "dropped": 0, "duplicates": 0, "train_rows": 360, "eval_rows": 40
+    }
+    assert set(train["source"]) == {"gsm", "alpaca", "chat"}
+    assert not set(train["id"]) & set(evaluation["id"])
+    chat = train[train["source"] == "chat"].iloc[0]
+    assert chat["messages"][0]["role"] == "user" and chat["reasoning"] and chat["answer"].isdigit()
+    alpaca = train[train["source"] == "alpaca"].iloc[0]
+    assert alpaca["prompt"].startswith("Solve the word problem.\n\n") and "####" not in alpaca["reasoning"]
+
+
+def test_split_is_seeded():
+    raw = ROOT / "data" / "01_raw"
+    src = SourceParams(name="gsm", path=str(raw / "arith_gsm8k.jsonl"), format="gsm8k")
+    a = ingest(IngestParams(sources=[src], seed=1))
+    b = ingest(IngestParams(sources=[src], seed=1))
+    c = ingest(IngestParams(sources=[src], seed=2))
+    assert a[1]["id"].tolist() == b[1]["id"].tolist()
+    assert a[1]["id"].tolist() != c[1]["id"].tolist()
+
+
+def test_bad_rows_are_skipped_and_reported_with_file_and_line(tmp_path):
+    path = _jsonl(
+        tmp_path / "qa.jsonl",
+        [
+            {"question": "1+1?", "answer": "1 + 1 = 2\n#### 2"},
+            "{not json",
+            {"question": "", "answer": "#### 3"},
+            {"question": "2+2?"},
+            {"question": "3+3?", "answer": 6},
+            {"question": "1+1?", "answer": "1 + 1 = 2\n#### 2"},  # duplicate
+        ],
+    )
+    train, _, report = ingest(_params(SourceParams(name="qa", path=path, format="gsm8k")))
+    stats = report["sources"]["qa"]
+    assert (stats["rows_read"], stats["kept"], stats["duplicates"], stats["dropped_total"]) == (6, 1, 1, 4)
+    assert stats["dropped"] == {
+        "invalid JSON (Expecting property name enclosed in double quotes)": 1,
+        "empty 'question'": 1,
+        "missing column 'answer'": 1,
+        "column 'answer' is int, expected text": 1,
+    }
+    assert stats["examples"][0]["location"] == f"{path}:2"
+    assert train.iloc[0][["prompt", "reasoning", "answer"]].tolist() == ["1+1?", "1 + 1 = 2", "2"]
+
+
+def test_fail_mode_names_file_line_and_fix(tmp_path):
+    path = _jsonl(tmp_path / "qa.jsonl", [{"question": "q", "answer": "#### 1"}, {"question": "q2"}])
+    with pytest.raises(DataError, match=r"qa\.jsonl:2: missing column 'answer'.*on_bad_row: skip"):
+        ingest(_params(SourceParams(name="qa", path=path, format="gsm8k"), on_bad_row="fail"))
+
+
+def test_csv_line_numbers_and_column_mapping(tmp_path):
+    path = tmp_path / "legal.csv"
+    path.write_text('q,a\n"What is a tort?","A civil wrong."\n"",x\n')
+    train, _, report = ingest(
+        _params(SourceParams(name="legal", path=str(path), format="prompt_response", columns={"prompt": "q", "response": "a"}))
+    )
+    assert train.iloc[0][["prompt", "reasoning", "answer"]].tolist() == ["What is a tort?", "", "A civil wrong."]
+    assert report["sources"]["legal"]["examples"] == [{"location": f"{path}:3", "reason": "empty 'q'"}]
+
+
+def test_parquet_messages_source(tmp_path):
+    path = tmp_path / "chat.parquet"
+    pd.DataFrame(
+        {
+            "conversation": [
+                [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2*3?"},
+                 {"role": "assistant", "content": "<reasoning>2*3=6</reasoning><answer>6</answer>"}],
+                [{"role": "user", "content": "hi"}],
+            ]
+        }
+    ).to_parquet(path)
+    train, _, report = ingest(
+        _params(SourceParams(name="chat", path=str(path), format="messages", columns={"messages": "conversation"}))
+    )
+    assert [m["role"] for m in train.iloc[0]["messages"]] == ["system", "user"]
+    assert train.iloc[0][["reasoning", "answer"]].tolist() == ["2*3=6", "6"]
+    assert report["sources"]["chat"]["dropped"] == {"the last message must be the assistant's answer": 1}
+
+
+def test_hub_loader_reads_local_files_through_datasets(tmp_path):
+    path = _jsonl(tmp_path / "hub.jsonl", [{"question": f"{i}+1?", "answer": f"#### {i + 1}"} for i in range(5)])
+    source = SourceParams(name="hub", hf={"path": "json", "data_files": path, "split": "train"}, format="gsm8k")
+    train, _, report = ingest(_params(source))
+    assert len(train) == 5 and report["sources"]["hub"]["examples"] == []
+    assert sorted(train["answer"].astype(int)) == [1, 2, 3, 4, 5]
+
+
+def test_weights_repeat_or_subsample_train_rows(tmp_path):
+    a = _jsonl(tmp_path / "a.jsonl", [{"question": f"a{i}", "answer": f"#### {i}"} for i in range(10)])
+    b = _jsonl(tmp_path / "b.jsonl", [{"question": f"b{i}", "answer": f"#### {i}"} for i in range(10)])
+    train, _, report = ingest(
+        _params(
+            SourceParams(name="a", path=a, format="gsm8k", weight=2.0),
+            SourceParams(name="b", path=b, format="gsm8k", weight=0.5),
+        )
+    )
+    assert train["source"].value_counts().to_dict() == {"a": 20, "b": 5}
+    assert report["sources"]["a"]["train_rows"] == 20
+
+
+def test_missing_file_and_empty_result_are_clear_errors(tmp_path):
+    with pytest.raises(DataError, match="file not found: .*nope.jsonl"):
+        ingest(_params(SourceParams(name="x", path=str(tmp_path / "nope.jsonl"), format="gsm8k")))
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"text": "no question"}])
+    good = _jsonl(tmp_path / "good.jsonl", [{"question": "q", "answer": "#### 1"}])
+    with pytest.raises(DataError, match=r"no usable rows: 'bad': 1 rows read.*missing column 'question'"):
+        ingest(
+            _params(
+                SourceParams(name="good", path=good, format="gsm8k"),
+                SourceParams(name="bad", path=bad, format="gsm8k"),
+            )
+        )
+
+
+def test_split_completion_formats():
+    assert split_completion("<reasoning>r</reasoning>\n<answer>a</answer>") == ("r", "a")
+    assert split_completion("step\n#### 1,234") == ("step", "1234")
+    assert split_completion("plain") == ("", "plain")
+
+
+def test_source_needs_exactly_one_location():
+    with pytest.raises(ValueError, match="exactly one of `path` or `hf`"):
+        SourceParams(name="x", format="gsm8k")

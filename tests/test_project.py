@@ -1,0 +1,85 @@
+"""The Kedro project as users run it: configuration, CLI, MLflow, kedro-viz."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+from kedro.framework.session import KedroSession
+from kedro.framework.startup import bootstrap_project
+
+from tunix_pipeline.ingest import DataError
+
+KEDRO = str(Path(sys.executable).parent / "kedro")
+
+
+def _session(path, env=None, **runtime_params):
+    bootstrap_project(path)
+    return KedroSession.create(project_path=path, env=env, runtime_params=runtime_params or None)
+
+
+def _runs(path):
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{path / 'mlflow.db'}")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    return client, client.search_runs(experiments, order_by=["start_time DESC"])
+
+
+@pytest.mark.parametrize("env", [None, "gpu_smoke", "tpu_full"])
+def test_every_environment_validates(project, env):
+    with _session(project, env) as session:
+        params = session.load_context().params
+    assert params["sft"].checkpoint_every > 0 and params["tokenize"].max_length > 8
+    if env == "tpu_full":
+        assert params["model"].source == "google/gemma-2b" and params["model"].dtype == "bfloat16"
+        assert params["tokenize"].max_length == 1024 and params["sft"].per_device_batch_size == 4
+        assert (params["sft"].checkpoint_every, params["sft"].keep_checkpoints) == (1000, 3)
+        assert params["sft"].optimizer == "adamw" and params["sft"].warmup_steps > 0
+        assert params["runtime"].mesh == "auto"
+        # only what differs is in the environment: base keys survive the merge
+        assert params["sft"].checkpoint_dir == "data/06_models/sft_checkpoints"
+
+
+def test_a_wrong_key_fails_before_any_node_runs(project):
+    (project / "conf" / "local" / "parameters.yml").write_text("sft:\n  max_step: 5\n")
+    with _session(project) as session, pytest.raises(Exception, match=r"(?s)'sft'.*max_step.*Extra inputs"):
+        session.run(pipeline_names=["smoke"])
+    assert not list((project / "data").glob("0[2-8]_*/*")), "a node ran before validation"
+
+
+def test_a_failing_node_marks_the_mlflow_run_failed(project):
+    (project / "conf" / "local" / "parameters.yml").write_text(
+        "ingest:\n  sources:\n    - {name: missing, path: data/01_raw/nope.jsonl, format: gsm8k}\n"
+    )
+    with _session(project) as session, pytest.raises(DataError, match="file not found"):
+        session.run(pipeline_names=["ingest"])
+    _, runs = _runs(project)
+    assert runs[0].info.status == "FAILED"
+    assert runs[0].data.tags["kedro.pipelines"] == "ingest"
+
+
+@pytest.mark.parametrize("flag", [["--pipeline", "ingest"], ["--pipelines=ingest"]])
+def test_cli_runs_a_pipeline_with_either_flag(project, flag):
+    result = subprocess.run([KEDRO, "run", *flag], cwd=project, capture_output=True, text=True, env=os.environ)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((project / "data" / "08_reporting" / "data_quality.json").read_text())
+    assert report["totals"]["kept"] == 400
+    _, runs = _runs(project)
+    assert runs[0].info.status == "FINISHED"
+    assert runs[0].data.metrics["data_quality_report.totals.rows_read"] == 400
+
+
+def test_kedro_viz_build_shows_every_pipeline_with_layers(project):
+    result = subprocess.run([KEDRO, "viz", "build"], cwd=project, capture_output=True, text=True, env=os.environ)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (project / "build" / "index.html").is_file()
+    main = json.loads((project / "build" / "api" / "main").read_text())
+    assert {p["id"] for p in main["pipelines"]} >= {
+        "__default__", "smoke", "ingest", "format", "tokenize", "sft", "evaluate"
+    }
+    tasks = {n["name"] for n in main["nodes"] if n["type"] == "task"}
+    assert {"ingest_sources", "prepare_base_model", "tokenize", "train_sft", "evaluate_models"} <= tasks
+    default = json.loads((project / "build" / "api" / "pipelines" / "__default__").read_text())
+    assert default["layers"] == ["intermediate", "primary", "model_input", "models", "model_output", "reporting"]
