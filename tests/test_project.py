@@ -83,3 +83,10 @@ def test_kedro_viz_build_shows_every_pipeline_with_layers(project):
     assert {"ingest_sources", "prepare_base_model", "tokenize", "train_sft", "evaluate_models"} <= tasks
     default = json.loads((project / "build" / "api" / "pipelines" / "__default__").read_text())
     assert default["layers"] == ["intermediate", "primary", "model_input", "models", "model_output", "reporting"]
+
+
+def test_a_mesh_that_does_not_fit_fails_before_any_node_runs(project):
+    (project / "conf" / "local" / "parameters.yml").write_text("runtime:\n  mesh: {fsdp: 16, tp: 2}\n")
+    with _session(project) as session, pytest.raises(ValueError, match=r"needs 32 devices but JAX sees 8"):
+        session.run(pipeline_names=["smoke"])
+    assert not list((project / "data").glob("0[2-8]_*/*"))

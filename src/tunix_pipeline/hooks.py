@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from kedro.framework.hooks import hook_impl
 
@@ -15,28 +16,41 @@ log = logging.getLogger(__name__)
 class ProjectHooks:
     def __init__(self):
         self._tracking: TrackingParams | None = None
+        self._runtime: RuntimeParams | None = None
         self._params: dict = {}
         self._env: str | None = None
+        self._project_path = None
+        self._user_uri: str | None = None
         self._run = None
 
     @hook_impl
     def after_context_created(self, context) -> None:
         raw = context.config_loader["parameters"]
-        configure_host_devices(RuntimeParams.model_validate(raw.get("runtime", {})).host_device_count)
+        self._runtime = RuntimeParams.model_validate(raw.get("runtime", {}))
+        configure_host_devices(self._runtime.host_device_count)
         self._tracking = TrackingParams.model_validate(raw.get("tracking", {}))
         self._params = raw
         self._env = context.env
+        self._project_path = context.project_path
 
     @hook_impl
-    def before_pipeline_run(self, run_params: dict) -> None:
+    def before_pipeline_run(self, run_params: dict, pipeline) -> None:
         import jax
 
         from tunix_pipeline import tracking
+        from tunix_pipeline.training import make_mesh
+
+        if "params:runtime" in pipeline.inputs():
+            make_mesh(self._runtime)  # a mesh that cannot be built fails now, not after tokenizing
 
         if not self._tracking or not self._tracking.enabled or jax.process_index() != 0:
             return
         pipelines = run_params.get("pipeline_names") or [run_params.get("pipeline_name") or "__default__"]
+        # mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI; put the user's back afterwards
+        self._user_uri = os.environ.get("MLFLOW_TRACKING_URI")
+        uri = tracking.tracking_uri(self._tracking, self._project_path)
         self._run = tracking.start_run(
+            uri,
             self._tracking,
             self._params,
             tags={
@@ -46,7 +60,7 @@ class ProjectHooks:
                 "mlflow.source.git.commit": tracking.git_commit(),
             },
         )
-        log.info("MLflow run %s in %s", self._run.info.run_id, tracking.tracking_uri(self._tracking))
+        log.info("MLflow run %s in %s", self._run.info.run_id, uri)
 
     @hook_impl
     def after_node_run(self, node, outputs: dict) -> None:
@@ -72,3 +86,7 @@ class ProjectHooks:
         if self._run is not None:
             tracking.end_run(failed)
             self._run = None
+            if self._user_uri is None:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
+            else:
+                os.environ["MLFLOW_TRACKING_URI"] = self._user_uri

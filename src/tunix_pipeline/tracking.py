@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 from collections.abc import Mapping
+from pathlib import Path
 
 import mlflow
 import numpy as np
@@ -22,8 +23,17 @@ MAX_PARAM_LENGTH = 6000  # MLflow's limit on one parameter value
 COMPILE_EVENT = "jax/core/compile/backend_compile_duration"
 
 
-def tracking_uri(params: TrackingParams) -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or params.tracking_uri
+def tracking_uri(params: TrackingParams, project_path: Path) -> str:
+    """MLFLOW_TRACKING_URI, else the configured URI with a relative sqlite path made absolute.
+
+    Absolute because MLflow caches stores by URI: a relative one would keep
+    pointing at the first project used in the process.
+    """
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or params.tracking_uri
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not Path(uri[len(prefix) :]).is_absolute():
+        uri = prefix + str((project_path / uri[len(prefix) :]).resolve())
+    return uri
 
 
 def flatten(tree: Mapping, prefix: str = "") -> dict:
@@ -46,8 +56,8 @@ def git_commit() -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def start_run(params: TrackingParams, all_params: Mapping, tags: Mapping[str, str]):
-    mlflow.set_tracking_uri(tracking_uri(params))
+def start_run(uri: str, params: TrackingParams, all_params: Mapping, tags: Mapping[str, str]):
+    mlflow.set_tracking_uri(uri)
     mlflow.set_experiment(params.experiment)
     run = mlflow.start_run(tags={k: v for k, v in tags.items() if v is not None})
     mlflow.log_params({k: str(v)[:MAX_PARAM_LENGTH] for k, v in flatten(all_params).items()})
