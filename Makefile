@@ -2,28 +2,30 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
 
 export DO_NOT_TRACK := 1
 export KEDRO_DISABLE_TELEMETRY := true
 
-.PHONY: smoke test viz install clean
+.PHONY: smoke test viz clean
 
-$(STAMP): pyproject.toml
+$(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+# the test extra adds pytest and torch (the reference for logits parity)
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet -e ".[test]"
-	touch $(STAMP)
+	touch $@
 
-install: $(STAMP)
-
-smoke: $(STAMP)
+smoke: $(VENV)/.installed
 	$(BIN)/kedro run --pipelines=smoke
 
-test: $(STAMP)
+test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest
 
-viz: $(STAMP)
+viz: $(VENV)/.installed
 	$(BIN)/kedro viz build
 
 clean:

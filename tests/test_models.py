@@ -50,8 +50,8 @@ def test_unsupported_or_incomplete_folders_are_refused(tiny_model_dir, tmp_path)
     llama = tmp_path / "llama"
     shutil.copytree(tiny_model_dir, llama)
     config = json.loads((llama / "config.json").read_text())
-    (llama / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
-    with pytest.raises(ModelError, match="model_type 'llama' is not supported"):
+    (llama / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
+    with pytest.raises(ModelError, match="model_type .gpt_neox. is not supported; supported: "):
         load_model(llama, None)
     (llama / "model.safetensors").unlink()
     with pytest.raises(ModelError, match=r"not a Hugging Face model folder: missing \*\.safetensors"):
@@ -70,3 +70,39 @@ def test_model_sources(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelError, match=r"(?s)could not download 'google/gemma-2b'.*HF_TOKEN"):
         resolve_model_dir(ModelParams(source="google/gemma-2b"))
+
+
+def test_credentials_file_feeds_the_hub_clients(project, monkeypatch):
+    from kedro.framework.session import KedroSession
+    from kedro.framework.startup import bootstrap_project
+
+    for variable in ("HF_TOKEN", "KAGGLE_USERNAME"):  # recorded, so the test's changes are undone
+        monkeypatch.setenv(variable, "")
+        monkeypatch.delenv(variable)
+    monkeypatch.setenv("KAGGLE_KEY", "from-env")
+    (project / "conf" / "local" / "credentials.yml").write_text(
+        "huggingface:\n  token: hf_test\nkaggle:\n  username: me\n  key: from-file\n"
+    )
+    bootstrap_project(project)
+    with KedroSession.create(project_path=project) as session:
+        session.load_context()
+    import os
+
+    assert os.environ["HF_TOKEN"] == "hf_test" and os.environ["KAGGLE_USERNAME"] == "me"
+    assert os.environ["KAGGLE_KEY"] == "from-env"  # the environment wins
+
+
+def test_a_weight_missing_from_the_checkpoint_is_named(tmp_path):
+    import transformers
+
+    from .parity import save_hf_model
+
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )
+    folder = save_hf_model(config, tmp_path / "llama")
+    hf = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**hf, "tie_word_embeddings": False}))
+    with pytest.raises(ModelError, match="no weights for lm_head"):
+        load_model(folder, None)

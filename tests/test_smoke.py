@@ -7,6 +7,8 @@ import pytest
 from kedro.framework.session import KedroSession
 from kedro.framework.startup import bootstrap_project
 
+from tunix_pipeline.models import load_pretrained
+
 pytestmark = pytest.mark.slow
 
 
@@ -46,3 +48,20 @@ def test_smoke_pipeline_end_to_end_then_resume(project):
     resumed = json.loads((project / "data" / "06_models" / "sft_result.json").read_text())
     assert (resumed["resumed_from_step"], resumed["latest_step"], resumed["steps_this_run"]) == (200, 210, 10)
     assert len(resumed["loss_history"]) == 210
+
+    exported = json.loads((project / "data" / "06_models" / "exported_model.json").read_text())
+    model, tokenizer = load_pretrained(exported["path"])
+    assert exported["checkpoint_step"] == 200 and tokenizer is not None
+
+    # LoRA through the same stages: only adapters are trained and checkpointed, then merged on export.
+    lora_run = {
+        "model": {"lora": {"rank": 4, "alpha": 8.0}},
+        "sft": {"max_steps": 20, "checkpoint_every": 10, "checkpoint_dir": "data/06_models/lora_checkpoints"},
+        "export": {"output_dir": "data/06_models/lora_export"},
+    }
+    with KedroSession.create(project_path=project, runtime_params=lora_run) as session:
+        session.run(pipeline_names=["sft", "evaluate", "export"])
+    sft = json.loads((project / "data" / "06_models" / "sft_result.json").read_text())
+    assert sft["lora"] and sft["trainable_params"] < sft["total_params"] / 4
+    assert json.loads((reporting / "eval_metrics.json").read_text())["tuned"]["checkpoint_step"] == 20
+    assert (project / "data" / "06_models" / "lora_export" / "model.safetensors").is_file()

@@ -73,13 +73,25 @@ class TinyModelParams(Strict):
     seed: int = 0
 
 
+class LoraParams(Strict):
+    """LoRA adapters through qwix; `quantize: nf4` makes it QLoRA (a frozen 4-bit base)."""
+
+    rank: int = Field(16, gt=0)
+    alpha: float = Field(32.0, gt=0)
+    # regex over module paths, e.g. ".*attn.*|.*mlp.*"
+    target_modules: str = ".*(q_einsum|kv_einsum|qkv_einsum|attn_vec_einsum|q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj).*"
+    quantize: Literal["nf4"] | None = None
+
+
 class ModelParams(Strict):
-    # "tiny" (built locally from `tiny`), a local Hugging Face folder, or a hub id
+    # "tiny" (built locally from `tiny`), a local Hugging Face folder, a hub id, or "kaggle:<handle>"
     source: str = "tiny"
     revision: str | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"
     local_dir: str = Field("data/06_models/base_model", description="where `tiny` is built")
     tiny: TinyModelParams = TinyModelParams()
+    # null: full fine-tuning
+    lora: LoraParams | None = None
 
 
 # ---------------------------------------------------------------- format / tokenize
@@ -136,6 +148,11 @@ class EvaluateParams(Strict):
     compare_base_model: bool = True
 
 
+class ExportParams(Strict):
+    output_dir: str = "data/06_models/exported"
+    max_shard_size: str = "2GB"
+
+
 class TrackingParams(Strict):
     enabled: bool = True
     experiment: str = "tunix_pipeline"
@@ -144,3 +161,60 @@ class TrackingParams(Strict):
     # Node outputs logged to the run: dicts as JSON + numeric metrics,
     # DataFrames as JSONL, strings as text.
     log_outputs: list[str] = []
+
+
+# ---------------------------------------------------------------- plan (preflight: memory, time, cost)
+class HardwareProfile(Strict):
+    """One machine to rent (or a free notebook session). Figures are per device, as JAX counts devices."""
+
+    kind: Literal["cpu", "gpu", "tpu"]
+    devices: int = Field(gt=0)
+    hosts: int = Field(1, gt=0)
+    memory_gib: float = Field(gt=0, description="memory per device")
+    peak_tflops: float = Field(gt=0, description="dense bf16 TFLOP/s per device")
+    cost_per_hour: float | None = Field(None, ge=0, description="USD/hour, whole machine, on demand")
+    preemptible_cost_per_hour: float | None = Field(None, ge=0, description="USD/hour, spot/preemptible")
+    session_hours: float | None = Field(None, gt=0, description="a session ends after this (Kaggle: 9)")
+    weekly_hours: float | None = Field(None, gt=0, description="quota per week (Kaggle TPU: 20)")
+    mfu: float | None = Field(None, gt=0, le=1, description="overrides plan.mfu on this hardware")
+    note: str = ""
+
+
+class PlanBudget(Strict):
+    max_cost: float | None = Field(None, ge=0, description="USD for the whole run")
+    max_hours: float | None = Field(None, gt=0, description="wall-clock hours for the whole run")
+    preemptible: bool = False  # price at the preemptible rate where a profile has one
+
+
+class XlaCheckParams(Strict):
+    """Compile the train step ahead of time on a fake CPU mesh (abstract shapes, no weights)."""
+
+    enabled: bool = True
+    # deeper models are compiled at one and two layer periods and extrapolated linearly; null: every layer
+    max_layers: int | None = Field(4, gt=0)
+    timeout_seconds: int = Field(900, gt=0)
+
+
+class PlanParams(Strict):
+    enabled: bool = True  # the sft pipeline runs the plan first and stops a run that cannot fit
+    hardware: str = "auto"  # a profile name, or auto: the devices JAX sees
+    mfu: float = Field(0.47, gt=0, le=1, description="assumed model FLOP utilisation")
+    checkpoint_seconds: float | None = Field(None, ge=0, description="null: checkpoint bytes / checkpoint_gb_per_s")
+    checkpoint_gb_per_s: float = Field(0.5, gt=0)
+    session_setup_minutes: float = Field(30.0, ge=0, description="per session: install, load, compile")
+    usable_memory_fraction: float = Field(0.95, gt=0, le=1)
+    warn_memory_fraction: float = Field(0.9, gt=0, le=1)
+    large_model_params: float = Field(1.0e9, gt=0, description="seed 004: warn for models this big on small GPUs")
+    small_gpu_gib: float = Field(24.0, gt=0)
+    train_rows: int | None = Field(None, gt=0, description="to report epochs when the data is not at hand")
+    budget: PlanBudget = PlanBudget()
+    xla_check: XlaCheckParams = XlaCheckParams()
+    profiles: dict[str, HardwareProfile] = Field(min_length=1)
+    # hub id -> its config.json, for models not downloaded yet
+    architectures: dict[str, dict] = {}
+
+    @model_validator(mode="after")
+    def _known_hardware(self):
+        if self.hardware != "auto" and self.hardware not in self.profiles:
+            raise ValueError(f"plan.hardware {self.hardware!r} is not a profile; choose auto or one of {sorted(self.profiles)}")
+        return self

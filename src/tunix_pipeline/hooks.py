@@ -13,6 +13,25 @@ from tunix_pipeline.runtime import configure_host_devices
 log = logging.getLogger(__name__)
 
 
+# credentials.yml entries -> the environment variables the hub clients read (never overriding one already set)
+CREDENTIAL_ENV = {
+    ("huggingface", "token"): "HF_TOKEN",
+    ("kaggle", "username"): "KAGGLE_USERNAME",
+    ("kaggle", "key"): "KAGGLE_KEY",
+}
+
+
+def export_credentials(config_loader) -> None:
+    try:
+        credentials = config_loader["credentials"]
+    except Exception:  # no credentials file is fine
+        return
+    for (section, key), variable in CREDENTIAL_ENV.items():
+        value = (credentials.get(section) or {}).get(key)
+        if value:
+            os.environ.setdefault(variable, str(value))
+
+
 class ProjectHooks:
     def __init__(self):
         self._tracking: TrackingParams | None = None
@@ -26,6 +45,7 @@ class ProjectHooks:
     @hook_impl
     def after_context_created(self, context) -> None:
         raw = context.config_loader["parameters"]
+        export_credentials(context.config_loader)
         self._runtime = RuntimeParams.model_validate(raw.get("runtime", {}))
         configure_host_devices(self._runtime.host_device_count)
         self._tracking = TrackingParams.model_validate(raw.get("tracking", {}))

@@ -303,12 +303,13 @@ def _save_history(ckpt_dir: Path, history: list[dict]) -> None:
 
 
 def restore_latest(model, checkpoint_dir: str | Path) -> int:
-    """Loads the latest SFT checkpoint's weights into `model`; returns its step (0: none)."""
+    """Loads the latest SFT checkpoint into `model` (only its adapters when it has LoRA); returns the step (0: none)."""
     from tunix.sft import checkpoint_manager
+    from tunix.sft import utils as sft_utils
 
     manager = checkpoint_manager.CheckpointManager(str(Path(checkpoint_dir).resolve()))
     try:
-        step, _ = manager.maybe_restore(model)
+        step, _ = manager.maybe_restore(model, restore_only_lora_params=sft_utils.is_lora_enabled(model))
     finally:
         manager.close()
     return step

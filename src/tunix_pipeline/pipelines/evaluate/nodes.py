@@ -2,7 +2,7 @@ import pandas as pd
 
 from tunix_pipeline import evaluation
 from tunix_pipeline.config import EvaluateParams, ModelParams, RuntimeParams
-from tunix_pipeline.models import load_model, load_tokenizer
+from tunix_pipeline.models import load_run_model, load_tokenizer
 from tunix_pipeline.training import make_mesh, evaluate_loss, restore_latest
 
 
@@ -20,7 +20,8 @@ def evaluate_models(
         raise ValueError("evaluate: the eval split is empty; set `ingest.eval_fraction` above 0")
     mesh = make_mesh(runtime)
     tokenizer = load_tokenizer(base_model["path"])
-    network, _ = load_model(base_model["path"], mesh, model.dtype)
+    # a QLoRA run is evaluated on its full-precision base, as it is exported
+    network, _ = load_run_model(base_model["path"], model, mesh, quantize=False)
     batch_size = sft_result["global_batch_size"]
     held_out = eval_formatted.head(params.num_prompts)
     prompts = held_out["prompt"].tolist()

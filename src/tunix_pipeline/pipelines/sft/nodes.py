@@ -3,7 +3,7 @@ import mlflow
 import pandas as pd
 
 from tunix_pipeline.config import ModelParams, RuntimeParams, SftParams
-from tunix_pipeline.models import load_model
+from tunix_pipeline.models import load_run_model, parameter_counts
 from tunix_pipeline.tracking import MlflowBackend
 from tunix_pipeline.training import make_mesh, train
 
@@ -17,7 +17,13 @@ def train_sft(
     runtime: RuntimeParams,
 ) -> dict:
     mesh = make_mesh(runtime)
-    network, _ = load_model(base_model["path"], mesh, model.dtype)
+    network, _ = load_run_model(base_model["path"], model, mesh)
     live = mlflow.active_run() is not None and jax.process_index() == 0
     result = train(network, train_tokens, eval_tokens, sft, mesh, [MlflowBackend] if live else None)
-    return {**result, "mesh": dict(mesh.shape), "base_model": base_model["path"]}
+    return {
+        **result,
+        **parameter_counts(network),
+        "lora": model.lora is not None,
+        "mesh": dict(mesh.shape),
+        "base_model": base_model["path"],
+    }

@@ -3,7 +3,7 @@ from pathlib import Path
 MAX_LOSS_RATIO = 0.6
 
 
-def check_smoke(sft_result: dict, eval_metrics: dict) -> dict:
+def check_smoke(sft_result: dict, eval_metrics: dict, exported_model: dict) -> dict:
     """The smoke run's pass criteria; raises (failing the run) when one is missed."""
     first, last = sft_result["first_loss"], sft_result["last_loss"]
     checkpoint = Path(sft_result["checkpoint_dir"]) / str(sft_result["latest_step"])
@@ -11,6 +11,7 @@ def check_smoke(sft_result: dict, eval_metrics: dict) -> dict:
         "loss_dropped": first is not None and last <= MAX_LOSS_RATIO * first,
         "checkpoint_written": checkpoint.is_dir(),
         "tuned_model_evaluated": "eval_loss" in eval_metrics.get("tuned", {}),
+        "exported": (Path(exported_model["path"]) / "config.json").is_file(),
     }
     report = {
         "passed": all(checks.values()),
@@ -19,6 +20,7 @@ def check_smoke(sft_result: dict, eval_metrics: dict) -> dict:
         "last_loss": last,
         "loss_ratio": last / first if first else None,
         "checkpoint": str(checkpoint),
+        "exported_model": exported_model["path"],
     }
     if not report["passed"]:
         failed = [name for name, ok in checks.items() if not ok]

@@ -1,0 +1,76 @@
+"""Tunix models -> Hugging Face folders that `transformers` (and vLLM) load."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from tunix_pipeline.models.families import family_for
+from tunix_pipeline.models.lora import merge_lora
+from tunix_pipeline.models.loading import origin_of
+
+MAX_SHARD_SIZE = "2GB"
+
+
+def export_pretrained(
+    model,
+    out_dir: str | Path,
+    tokenizer=None,
+    *,
+    hf_config: dict | None = None,
+    lora_alpha: float | None = None,
+    max_shard_size: int | str = MAX_SHARD_SIZE,
+) -> Path:
+    """Writes config.json, safetensors shards (with an index when more than one), generation config and tokenizer.
+
+    LoRA adapters are merged into the weights (`lora_alpha` is needed then). The
+    folder is written next to `out_dir` and moved into place at the end, so a
+    failure never leaves a half-written model.
+    """
+    from huggingface_hub.serialization import split_state_dict_into_shards_factory
+    from safetensors.numpy import save_file
+    from transformers import GenerationConfig
+
+    if hf_config is None:
+        family, hf_config = origin_of(model)
+    else:
+        family = family_for(hf_config)
+    params = merge_lora(model, lora_alpha)
+    state = family.to_hf_state(params, family.config_from_hf(hf_config), hf_config)
+    dtype = str(next(iter(state.values())).dtype)
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        split = split_state_dict_into_shards_factory(
+            state,
+            get_storage_size=lambda t: t.nbytes,
+            filename_pattern="model{suffix}.safetensors",
+            max_shard_size=max_shard_size,
+        )
+        for filename, names in split.filename_to_tensors.items():
+            save_file({n: np.ascontiguousarray(state[n]) for n in names}, str(tmp / filename), metadata={"format": "pt"})
+        if split.is_sharded:
+            index = {"metadata": {**split.metadata, "total_size": int(sum(t.nbytes for t in state.values()))},
+                     "weight_map": split.tensor_to_filename}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        config = {k: v for k, v in hf_config.items() if k not in ("torch_dtype", "dtype")}
+        config["dtype"] = dtype
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        GenerationConfig(
+            **{k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+        ).save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,112 @@
+"""Gemma (1), e.g. google/gemma-2b: Tunix's `gemma` model with Gemma 1's norms mapped right."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tunix_pipeline.models.families import register
+from tunix_pipeline.models.families.base import Family, linear_to_hf, require, rope_settings
+
+
+def config_from_hf(hf: dict):
+    """Tunix's Gemma hard-codes rope theta 10000, RMSNorm eps 1e-6, query scaling head_dim**-0.5,
+    tied embeddings and GELU (tanh): refuse checkpoints that differ (docs/upstream_tunix.md)."""
+    from tunix.models.gemma import model as gemma_lib
+
+    rope = rope_settings(hf)
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    supported = "Tunix's Gemma 1 fixes it"
+    require(float(rope["rope_theta"]) == 10000.0, "gemma", "rope_theta", rope["rope_theta"], supported + " at 10000")
+    require(rope["rope_type"] == "default", "gemma", "rope_scaling", rope["rope_type"], "no rope scaling")
+    require(abs(float(hf.get("rms_norm_eps", 1e-6)) - 1e-6) < 1e-12, "gemma", "rms_norm_eps", hf.get("rms_norm_eps"), supported + " at 1e-6")
+    require(hf.get("tie_word_embeddings", True), "gemma", "tie_word_embeddings", False, "Gemma ties the output head")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    require(act in ("gelu_pytorch_tanh", "gelu"), "gemma", "hidden_activation", act, "GELU (tanh approximation)")
+    layers = hf["num_hidden_layers"]
+    return gemma_lib.ModelConfig(
+        num_layers=layers,
+        num_embed=hf["vocab_size"],
+        embed_dim=hf["hidden_size"],
+        hidden_dim=hf["intermediate_size"],
+        num_heads=hf["num_attention_heads"],
+        head_dim=head_dim,
+        num_kv_heads=hf["num_key_value_heads"],
+        final_logit_softcap=None,
+        use_post_attn_norm=False,
+        use_post_ffw_norm=False,
+        attention_types=(gemma_lib.AttentionType.GLOBAL,) * layers,
+    )
+
+
+def key_mapping(cfg):
+    """Tunix's Gemma mapping, except that Gemma 1's `post_attention_layernorm` is the pre-MLP norm."""
+    from tunix.models.gemma import params_safetensors
+
+    mapping = params_safetensors._get_key_and_transform_mapping(cfg)
+    mapping[r"model\.layers\.([0-9]+)\.post_attention_layernorm\.weight"] = (r"layers.\1.pre_ffw_norm.scale", None)
+    return mapping
+
+
+def preprocess(cfg):
+    from tunix.models.gemma import params_safetensors
+
+    return params_safetensors._make_preprocess_fn(cfg)
+
+
+def attention_to_hf(params: dict, i: int, cfg) -> dict[str, np.ndarray]:
+    """q/k/v/o projections of layer i, from Tunix's einsum weights (shared by the Gemma families)."""
+    p = f"layers.{i}.attn."
+    if p + "qkv_einsum.w" in params:  # multi-head: q, k, v stacked
+        q, k, v = params[p + "qkv_einsum.w"]
+    else:
+        q = params[p + "q_einsum.w"]
+        k, v = params[p + "kv_einsum.w"]
+
+    def proj(w):  # (heads, embed, head_dim) -> (heads * head_dim, embed)
+        return np.ascontiguousarray(w.transpose(0, 2, 1).reshape(-1, w.shape[1]))
+
+    o = params[p + "attn_vec_einsum.w"]  # (heads, head_dim, embed)
+    h = f"model.layers.{i}.self_attn."
+    return {
+        h + "q_proj.weight": proj(q),
+        h + "k_proj.weight": proj(k),
+        h + "v_proj.weight": proj(v),
+        h + "o_proj.weight": np.ascontiguousarray(o.reshape(-1, o.shape[-1]).T),
+    }
+
+
+def mlp_to_hf(params: dict, i: int) -> dict[str, np.ndarray]:
+    p, h = f"layers.{i}.mlp.", f"model.layers.{i}.mlp."
+    return {h + f"{n}.weight": linear_to_hf(params[p + f"{n}.kernel"]) for n in ("gate_proj", "up_proj", "down_proj")}
+
+
+def to_hf_state(params: dict, cfg, hf: dict) -> dict[str, np.ndarray]:
+    state = {
+        "model.embed_tokens.weight": params["embedder.input_embedding"],
+        "model.norm.weight": params["final_norm.scale"],
+    }
+    for i in range(cfg.num_layers):
+        state.update(attention_to_hf(params, i, cfg))
+        state.update(mlp_to_hf(params, i))
+        state[f"model.layers.{i}.input_layernorm.weight"] = params[f"layers.{i}.pre_attention_norm.scale"]
+        state[f"model.layers.{i}.post_attention_layernorm.weight"] = params[f"layers.{i}.pre_ffw_norm.scale"]
+    return state
+
+
+def _model_class():
+    from tunix.models.gemma import model as gemma_lib
+
+    return gemma_lib.Gemma
+
+
+GEMMA = register(
+    Family(
+        name="gemma",
+        model_types=("gemma",),
+        model_class=_model_class(),
+        config_from_hf=config_from_hf,
+        key_mapping=key_mapping,
+        preprocess=preprocess,
+        to_hf_state=to_hf_state,
+    )
+)
