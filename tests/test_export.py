@@ -148,3 +148,27 @@ def test_abstract_gemma_2b_has_the_hub_parameter_count():
     q, kv = 8 * 256, 1 * 256
     per_layer = d * q + 2 * d * kv + q * d + 3 * d * f + 2 * d
     assert count == v * d + layers * per_layer + d == 2_506_172_416
+
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0)
+FAMILIES = {
+    "gemma2": lambda: transformers.Gemma2Config(**SMALL, attn_logit_softcapping=None, sliding_window=4),
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(**SMALL, sliding_window=4, query_pre_attn_scalar=16),
+    "llama": lambda: transformers.LlamaConfig(**SMALL, rope_theta=500000.0, tie_word_embeddings=False),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_exports_merged_lora_that_transformers_loads(family, tmp_path):
+    folder = save_hf_model(FAMILIES[family](), tmp_path / family)
+    model, _ = load_model(folder, None)
+    lora = LoraParams(rank=4, alpha=8.0)
+    model = apply_lora(model, lora)
+    for path, value in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):  # adapters that change the output
+        if str(path[-1]).endswith("lora_b"):
+            value[...] = np.random.default_rng(len(path)).normal(0, 0.05, value[...].shape).astype(np.float32)
+    out = export_pretrained(model, tmp_path / "export", lora_alpha=lora.alpha)
+    _assert_transformers_agrees(model, out)
