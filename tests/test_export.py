@@ -42,7 +42,7 @@ def _rows(n=16, length=24, seed=0):
     loss[:, length // 2 :] = 1
     return pd.DataFrame(
         {"id": [str(i) for i in range(n)], "input_tokens": list(tokens), "loss_mask": list(loss),
-         "attention_mask": list(np.ones_like(tokens))}
+         "segment_ids": list(np.ones_like(tokens)), "positions": list(np.tile(np.arange(length), (n, 1)))}
     )
 
 

@@ -21,7 +21,7 @@ def test_smoke_pipeline_end_to_end_then_resume(project):
     smoke = json.loads((reporting / "smoke_report.json").read_text())
     assert smoke["passed"] and smoke["loss_ratio"] <= 0.6
     sft = json.loads((project / "data" / "06_models" / "sft_result.json").read_text())
-    assert sft["latest_step"] == 200 and sft["mesh"] == {"fsdp": 4, "tp": 2}
+    assert sft["latest_step"] == 200 and sft["mesh"] == {"data": 1, "fsdp": 4, "tp": 2}
     assert (project / "data" / "06_models" / "sft_checkpoints" / "200").is_dir()
     metrics = json.loads((reporting / "eval_metrics.json").read_text())
     assert metrics["tuned"]["eval_loss"] < 0.6 * metrics["base"]["eval_loss"]
@@ -29,6 +29,21 @@ def test_smoke_pipeline_end_to_end_then_resume(project):
     samples = [json.loads(line) for line in (project / "data" / "07_model_output" / "eval_samples.jsonl").open()]
     assert {s["model"] for s in samples} == {"base", "tuned"} and all(isinstance(s["reference"], str) for s in samples)
     assert "| eval_loss |" in (reporting / "eval_report.md").read_text()
+    assert (reporting / "loss_curve.png").stat().st_size > 0 and (reporting / "grpo_curves.png").stat().st_size > 0
+
+    # GRPO from the SFT checkpoint, then the evaluation after it
+    grpo = json.loads((project / "data" / "06_models" / "grpo_result.json").read_text())
+    assert grpo["enabled"] and grpo["sft_step"] == 200 and grpo["latest_step"] == 4 and grpo["reference_model"]
+    assert (project / "data" / "06_models" / "grpo_checkpoints" / "actor" / "4").is_dir()
+    assert [h["step"] for h in grpo["history"]] == [1, 2, 3, 4]
+    assert all(h["reward"] is not None and h["kl"] is not None for h in grpo["history"])
+    assert smoke["checks"]["grpo_model_evaluated"] and smoke["checks"]["grpo_model_exported"]
+    after = json.loads((reporting / "grpo_eval_metrics.json").read_text())
+    assert set(after) == {"tuned", "grpo"} and after["grpo"]["checkpoint_step"] == 4
+    assert after["tuned"]["eval_loss"] == pytest.approx(metrics["tuned"]["eval_loss"])  # the same SFT checkpoint
+    assert "| metric | tuned | grpo | grpo − tuned |" in (reporting / "grpo_eval_report.md").read_text()
+    grpo_samples = [json.loads(line) for line in (project / "data" / "07_model_output" / "grpo_eval_samples.jsonl").open()]
+    assert {s["model"] for s in grpo_samples} == {"tuned", "grpo"}
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("tunix_pipeline").experiment_id])[0]
@@ -41,6 +56,14 @@ def test_smoke_pipeline_end_to_end_then_resume(project):
     assert run.data.params["sft.max_steps"] == "200"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"eval_samples.jsonl", "eval_metrics.json", "data_quality_report.json", "tokenize_report.json"} <= artifacts
+    assert {"eval_report.md", "loss_curve.png", "grpo_curves.png", "grpo_result.json", "grpo_eval_report.md",
+            "grpo_eval_samples.jsonl", "grpo_eval_metrics.json"} <= artifacts
+    # GRPO per step, each metric once per step (a closed SFT trainer must not log it a second time)
+    for name in ("reward/train/total/mean", "reward/train/total/std", "reward/train/answer/mean",
+                 "reward/train/format_exact/std", "completions/train/mean_length"):
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, name)) == [0, 1, 2, 3], name
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "actor/train/kl")) == [1, 2, 3, 4]
+    assert run.data.metrics["grpo_eval_metrics.grpo.eval_loss"] == pytest.approx(after["grpo"]["eval_loss"])
 
     # Rerunning `sft` with a longer budget resumes from the latest checkpoint.
     with KedroSession.create(project_path=project, runtime_params={"sft": {"max_steps": 210}}) as session:
@@ -51,17 +74,30 @@ def test_smoke_pipeline_end_to_end_then_resume(project):
 
     exported = json.loads((project / "data" / "06_models" / "exported_model.json").read_text())
     model, tokenizer = load_pretrained(exported["path"])
-    assert exported["checkpoint_step"] == 200 and tokenizer is not None
+    assert (exported["stage"], exported["checkpoint_step"]) == ("grpo", 4) and tokenizer is not None
 
-    # LoRA through the same stages: only adapters are trained and checkpointed, then merged on export.
+    # LoRA through the same stages: only adapters are trained and checkpointed (by SFT, then GRPO), then merged.
     lora_run = {
         "model": {"lora": {"rank": 4, "alpha": 8.0}},
         "sft": {"max_steps": 20, "checkpoint_every": 10, "checkpoint_dir": "data/06_models/lora_checkpoints"},
+        "grpo": {"max_steps": 1, "beta": 0.0, "loss_variant": "dr-grpo", "checkpoint_dir": "data/06_models/lora_grpo"},
         "export": {"output_dir": "data/06_models/lora_export"},
     }
     with KedroSession.create(project_path=project, runtime_params=lora_run) as session:
-        session.run(pipeline_names=["sft", "evaluate", "export"])
+        session.run(pipeline_names=["sft", "evaluate", "grpo", "export"])
     sft = json.loads((project / "data" / "06_models" / "sft_result.json").read_text())
     assert sft["lora"] and sft["trainable_params"] < sft["total_params"] / 4
     assert json.loads((reporting / "eval_metrics.json").read_text())["tuned"]["checkpoint_step"] == 20
+    grpo = json.loads((project / "data" / "06_models" / "grpo_result.json").read_text())
+    assert grpo["lora"] and grpo["sft_step"] == 20 and grpo["latest_step"] == 1 and not grpo["reference_model"]
+    exported = json.loads((project / "data" / "06_models" / "exported_model.json").read_text())
+    assert (exported["stage"], exported["checkpoint_step"], exported["merged_lora"]) == ("grpo", 1, True)
     assert (project / "data" / "06_models" / "lora_export" / "model.safetensors").is_file()
+
+    # GRPO switched off: the SFT checkpoint passes through and export ships it
+    with KedroSession.create(project_path=project, runtime_params={**lora_run, "grpo": {"enabled": False}}) as session:
+        session.run(pipeline_names=["grpo", "export"])
+    assert json.loads((project / "data" / "06_models" / "grpo_result.json").read_text())["enabled"] is False
+    assert "GRPO is off" in (reporting / "grpo_eval_report.md").read_text()
+    exported = json.loads((project / "data" / "06_models" / "exported_model.json").read_text())
+    assert (exported["stage"], exported["checkpoint_step"]) == ("sft", 20)

@@ -16,13 +16,17 @@ def test_fixed_length_and_completion_only_mask(tokenizer):
     prompt = "<bos><start_of_turn>user\nAda has 3 apples.<end_of_turn>\n<start_of_turn>model\n"
     completion = "<reasoning>3 + 1 = 4.</reasoning><answer>4</answer><end_of_turn>"
     rows, stats = tokenize_split(_formatted([prompt], [completion]), tokenizer, TokenizeParams(max_length=64))
-    tokens, loss, attention = (stack(rows, c)[0] for c in ("input_tokens", "loss_mask", "attention_mask"))
-    assert tokens.shape == loss.shape == attention.shape == (64,)
+    tokens, loss, segments, positions = (
+        stack(rows, c)[0] for c in ("input_tokens", "loss_mask", "segment_ids", "positions")
+    )
+    assert tokens.shape == loss.shape == segments.shape == (64,)
+    attention = segments > 0
     n_prompt = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     n_real = int(attention.sum())
     assert tokenizer.decode(tokens[loss == 1]) == completion
     assert loss[:n_prompt].sum() == 0 and loss[n_real:].sum() == 0
     assert (tokens[n_real:] == tokenizer.pad_token_id).all()
+    assert positions[:n_real].tolist() == list(range(n_real)) and set(segments[:n_real]) == {1}
     assert stats["padding_efficiency"] == pytest.approx(n_real / 64)
     assert stats["rows_out"] == 1 and stats["truncated"] == 0
 
@@ -34,7 +38,7 @@ def test_overlong_rows_are_truncated_or_dropped_and_counted(tokenizer):
     data = _formatted(*zip(short, long, prompt_too_long))
     rows, stats = tokenize_split(data, tokenizer, TokenizeParams(max_length=32, overflow="truncate"))
     assert (stats["rows_out"], stats["truncated"], stats["dropped_prompt_too_long"]) == (2, 1, 1)
-    assert stack(rows, "attention_mask")[1].sum() == 32
+    assert (stack(rows, "segment_ids")[1] > 0).sum() == 32
     rows, stats = tokenize_split(data, tokenizer, TokenizeParams(max_length=32, overflow="drop"))
     assert (stats["rows_out"], stats["dropped_overlong"], stats["dropped_prompt_too_long"]) == (1, 1, 1)
     assert rows["id"].tolist() == ["0"]
@@ -46,3 +50,24 @@ def test_rows_survive_a_parquet_round_trip(tokenizer, tmp_path):
     rows.to_parquet(tmp_path / "t.parquet")
     back = pd.read_parquet(tmp_path / "t.parquet")
     np.testing.assert_array_equal(stack(back, "input_tokens"), stack(rows, "input_tokens"))
+
+
+def test_packing_fills_rows_and_keeps_examples_apart(tokenizer):
+    prompts = [f"<bos>question {i}" for i in range(12)]
+    completions = [f"answer {i} " * (1 + i % 3) for i in range(12)]
+    data = _formatted(prompts, completions)
+    plain, plain_stats = tokenize_split(data, tokenizer, TokenizeParams(max_length=64))
+    packed, stats = tokenize_split(data, tokenizer, TokenizeParams(max_length=64, pack=True))
+    assert stats["examples_out"] == plain_stats["rows_out"] == 12 and stats["rows_out"] < 12
+    assert stats["padding_efficiency"] > 2 * stats["padding_efficiency_unpacked"]
+    segments, positions = stack(packed, "segment_ids"), stack(packed, "positions")
+    loss, tokens = stack(packed, "loss_mask"), stack(packed, "input_tokens")
+    # every example appears once, whole, with its own positions from 0
+    assert sum(len(ids.split(",")) for ids in packed["id"]) == 12
+    assert int((segments > 0).sum()) == int((stack(plain, "segment_ids") > 0).sum())
+    assert int(loss.sum()) == int(stack(plain, "loss_mask").sum())
+    for row in range(len(packed)):
+        for seg in set(segments[row]) - {0}:
+            where = segments[row] == seg
+            assert positions[row][where].tolist() == list(range(where.sum()))
+            assert tokens[row][where][0] == tokenizer.bos_token_id

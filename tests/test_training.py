@@ -1,33 +1,58 @@
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 import pytest
+from flax import nnx
 
 from tunix_pipeline.config import RuntimeParams, SftParams, TokenizeParams
 from tunix_pipeline.models import load_model
-from tunix_pipeline.tokenization import tokenize_split
+from tunix_pipeline.tokenization import token_arrays, tokenize_split
 from tunix_pipeline.training import (
+    BatchFeed,
     MeshError,
-    batches,
     completion_loss,
     evaluate_loss,
     global_batch_size,
     make_mesh,
+    make_optimizer,
     model_inputs,
+    process_rows,
     restore_latest,
     train,
 )
 
+from .conftest import ROOT
+
 MESH = RuntimeParams(mesh={"fsdp": 4, "tp": 2})
+WORKER = str(ROOT / "tests" / "train_worker.py")
 
 
 @pytest.fixture(scope="module")
-def token_rows(tokenizer):
+def formatted():
     prompts = [f"<bos><start_of_turn>user\nAda has {i} apples.<end_of_turn>\n<start_of_turn>model\n" for i in range(24)]
     completions = [f"<reasoning>{i} + 1 = {i + 1}.</reasoning><answer>{i + 1}</answer><end_of_turn>" for i in range(24)]
-    frame = pd.DataFrame({"id": [str(i) for i in range(24)], "prompt": prompts, "completion": completions})
-    rows, _ = tokenize_split(frame, tokenizer, TokenizeParams(max_length=48))
-    return rows
+    return pd.DataFrame({"id": [str(i) for i in range(24)], "prompt": prompts, "completion": completions})
+
+
+@pytest.fixture(scope="module")
+def token_rows(tokenizer, formatted):
+    return tokenize_split(formatted, tokenizer, TokenizeParams(max_length=48))[0]
+
+
+@pytest.fixture(scope="module")
+def rows_file(token_rows, tmp_path_factory):
+    path = tmp_path_factory.mktemp("rows") / "rows.parquet"
+    token_rows.to_parquet(path)
+    return path
 
 
 def _sft(tmp_path, **kwargs):
@@ -38,35 +63,115 @@ def _sft(tmp_path, **kwargs):
     return SftParams(**{**defaults, **kwargs})
 
 
+def _params(model):
+    return {".".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def _batch(rows, n=4):
+    return model_inputs({k: jnp.asarray(v[:n]) for k, v in token_arrays(rows).items()})
+
+
+# ---------------------------------------------------------------- mesh and data
 def test_mesh_from_config():
-    assert dict(make_mesh(MESH).shape) == {"fsdp": 4, "tp": 2}
-    assert dict(make_mesh(RuntimeParams(mesh="auto")).shape) == {"fsdp": 8, "tp": 1}
+    assert dict(make_mesh(MESH).shape) == {"data": 1, "fsdp": 4, "tp": 2}
+    assert dict(make_mesh(RuntimeParams(mesh="auto")).shape) == {"data": 1, "fsdp": 8, "tp": 1}
+    mesh = make_mesh(RuntimeParams(mesh={"data": 2, "fsdp": 2, "tp": 2}))
+    assert global_batch_size(_sft(__import__("pathlib").Path("/tmp"), per_device_batch_size=3), mesh) == 12
     with pytest.raises(MeshError, match=r"needs 6 devices but JAX sees 8.*runtime.mesh: auto"):
         make_mesh(RuntimeParams(mesh={"fsdp": 3, "tp": 2}))
+    assert process_rows(mesh, 12) == slice(0, 12)  # one process feeds every row
 
 
-def test_batches_are_fixed_size_seeded_and_cover_each_epoch(token_rows):
-    first = list(batches(token_rows, 8, seed=0, epochs=2))
-    again = list(batches(token_rows, 8, seed=0, epochs=2))
-    assert len(first) == 6 and all(b["input_tokens"].shape == (8, 48) for b in first)
-    assert all((a["input_tokens"] == b["input_tokens"]).all() for a, b in zip(first, again))
-    epoch = np.concatenate([b["input_tokens"] for b in first[:3]])
+def test_batches_are_a_pure_function_of_the_step(token_rows):
+    feed = BatchFeed(token_rows, 8, seed=0)
+    again = BatchFeed(token_rows, 8, seed=0)
+    assert all((feed.batch(i)["input_tokens"] == again.batch(i)["input_tokens"]).all() for i in range(6))
+    assert feed.batch(0)["input_tokens"].shape == (8, 48)
+    epoch = np.concatenate([feed.batch(i)["input_tokens"] for i in range(3)])
     assert len({row.tobytes() for row in epoch}) == 24
+    assert not (feed.batch(3)["input_tokens"] == feed.batch(0)["input_tokens"]).all()  # a new epoch reshuffles
     with pytest.raises(MeshError, match="24 training rows cannot fill one global batch of 32"):
-        next(batches(token_rows, 32, seed=0))
+        BatchFeed(token_rows, 32, seed=0)
 
 
+# ---------------------------------------------------------------- loss
 def test_integer_label_loss_equals_tunix_default_loss(tiny_model_dir, token_rows):
+    from tunix.sft import utils as sft_utils
     from tunix.sft.peft_trainer import _default_loss_fn
 
     model, _ = load_model(tiny_model_dir, None)
-    batch = model_inputs(next(batches(token_rows, 4, seed=0)))
+    batch = _batch(token_rows)
     ours = completion_loss(model, **batch)
+    real = jnp.asarray(token_arrays(token_rows)["segment_ids"][:4] > 0)
     tunix = _default_loss_fn(
-        model, batch["input_tokens"], batch["loss_mask"], batch["positions"], batch["attention_mask"]
+        model, batch["input_tokens"], batch["loss_mask"],
+        sft_utils.build_positions_from_mask(real), sft_utils.make_causal_attn_mask(real),
     )
     np.testing.assert_allclose(ours, tunix, rtol=1e-5)
     assert 4.0 < float(ours) < 8.0  # about ln(vocab) for random weights
+
+
+def test_chunked_loss_and_its_gradient_equal_the_whole(tiny_model_dir, token_rows):
+    model, _ = load_model(tiny_model_dir, None)
+    batch = _batch(token_rows)
+
+    def loss(m, chunk):
+        return completion_loss(m, **batch, chunk_size=chunk)
+
+    whole, g_whole = nnx.value_and_grad(loss)(model, None)
+    chunked, g_chunked = nnx.value_and_grad(loss)(model, 10)  # 47 positions: the last chunk is padded
+    np.testing.assert_allclose(chunked, whole, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_whole), jax.tree.leaves(g_chunked)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_packed_rows_give_the_same_loss_as_unpacked(tiny_model_dir, tokenizer, formatted):
+    model, _ = load_model(tiny_model_dir, None)
+    plain, _ = tokenize_split(formatted, tokenizer, TokenizeParams(max_length=128))
+    packed, stats = tokenize_split(formatted, tokenizer, TokenizeParams(max_length=128, pack=True))
+    assert len(packed) < len(plain) / 2
+
+    def nll(rows):
+        from tunix_pipeline.training import token_nll
+
+        out = [token_nll(model, **_batch(rows.iloc[i : i + 1], 1)) for i in range(len(rows))]
+        return sum(float(s) for s, _ in out), sum(float(c) for _, c in out)
+
+    (s_plain, c_plain), (s_packed, c_packed) = nll(plain), nll(packed)
+    assert c_plain == c_packed
+    np.testing.assert_allclose(s_packed / c_packed, s_plain / c_plain, rtol=1e-5)
+
+
+def test_bf16_compute_keeps_fp32_weights(tiny_model_dir, token_rows):
+    model, _ = load_model(tiny_model_dir, None)
+    batch = _batch(token_rows)
+    fp32 = completion_loss(model, **batch)
+    bf16, grads = nnx.value_and_grad(lambda m: completion_loss(m, **batch, compute_dtype=jnp.bfloat16))(model)
+    assert abs(float(bf16) - float(fp32)) < 0.05 * float(fp32)
+    assert {str(g.dtype) for g in jax.tree.leaves(grads)} == {"float32"}
+
+
+@pytest.mark.parametrize("remat", ["attention", "decoder"])
+def test_remat_changes_memory_not_results(tiny_model_dir, token_rows, remat):
+    batch = _batch(token_rows)
+
+    def grads(model):
+        return nnx.value_and_grad(lambda m: completion_loss(m, **batch))(model)
+
+    (plain, g_plain), (rematted, g_remat) = grads(load_model(tiny_model_dir, None)[0]), grads(
+        load_model(tiny_model_dir, None, remat=remat)[0]
+    )
+    np.testing.assert_allclose(rematted, plain, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_remat)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_weight_decay_skips_norms(tmp_path):
+    params = {"kernel": jnp.ones((4, 4)), "scale": jnp.ones((4,))}
+    tx = make_optimizer(_sft(tmp_path, weight_decay=0.5, warmup_steps=0, schedule="constant", max_grad_norm=None))
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = tx.update(zeros, tx.init(params), params)
+    assert float(jnp.abs(updates["kernel"]).max()) > 0 and float(jnp.abs(updates["scale"]).max()) == 0
 
 
 def test_eval_loss_does_not_depend_on_batch_padding(tiny_model_dir, token_rows):
@@ -79,30 +184,162 @@ def test_eval_loss_does_not_depend_on_batch_padding(tiny_model_dir, token_rows):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
 
 
-def test_sft_trains_checkpoints_and_resumes(tiny_model_dir, token_rows, tmp_path):
+# ---------------------------------------------------------------- training, checkpoints, resume
+def test_sft_trains_checkpoints_and_resumes_exactly(tiny_model_dir, token_rows, tmp_path, monkeypatch):
     mesh = make_mesh(MESH)
-    sft = _sft(tmp_path)
-    assert global_batch_size(sft, mesh) == 4
-    model, _ = load_model(tiny_model_dir, mesh)
-    first = train(model, token_rows, token_rows.head(4), sft, mesh)
-    assert (first["latest_step"], first["resumed_from_step"], first["steps_this_run"]) == (6, 0, 6)
-    assert [h["step"] for h in first["loss_history"]] == [1, 2, 3, 4, 5, 6]
-    assert first["last_loss"] < first["first_loss"]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit()) == ["3", "6"]
+    straight, _ = load_model(tiny_model_dir, mesh)
+    train(straight, token_rows, token_rows.head(0), _sft(tmp_path / "a"), mesh)
 
-    # a rerun with a longer budget resumes from step 6 and keeps the whole curve
+    # the same run, stopped after step 4 (as preemption or the budget would stop it)
+    fetch = BatchFeed.load_next_train_batch
+
+    def stop_at_4(self, trainer):
+        if trainer.iter_steps == 4:
+            self.stop("test")
+        return fetch(self, trainer)
+
+    monkeypatch.setattr(BatchFeed, "load_next_train_batch", stop_at_4)
     model, _ = load_model(tiny_model_dir, mesh)
-    second = train(model, token_rows, token_rows.head(4), _sft(tmp_path, max_steps=8), mesh)
-    assert (second["resumed_from_step"], second["latest_step"], second["steps_this_run"]) == (6, 8, 2)
-    assert [h["step"] for h in second["loss_history"]] == list(range(1, 9))
-    assert second["loss_history"][:6] == first["loss_history"]
+    first = train(model, token_rows, token_rows.head(4), _sft(tmp_path / "b", eval_every=2), mesh)
+    assert (first["latest_step"], first["resumed_from_step"], first["stopped_early"]) == (4, 0, "test")
+    assert first["last_loss"] < first["first_loss"]
+    assert sorted(p.name for p in (tmp_path / "b" / "ckpt").iterdir() if p.name.isdigit()) == ["3", "4"]
+    monkeypatch.undo()
+
+    # rerun: resumes from step 4, sees the batches an uninterrupted run sees, ends where it ended
+    model, _ = load_model(tiny_model_dir, mesh)
+    second = train(model, token_rows, token_rows.head(4), _sft(tmp_path / "b"), mesh)
+    assert (second["resumed_from_step"], second["latest_step"], second["steps_this_run"]) == (4, 6, 2)
+    assert [h["step"] for h in second["loss_history"]] == list(range(1, 7))
+    expected, got = _params(straight), _params(model)
+    assert all(np.array_equal(expected[k], got[k]) for k in expected)
 
     fresh, _ = load_model(tiny_model_dir, mesh)
-    assert restore_latest(fresh, tmp_path / "ckpt") == 8
-    np.testing.assert_array_equal(fresh.embedder.input_embedding[...], model.embedder.input_embedding[...])
-    assert not np.array_equal(
-        fresh.embedder.input_embedding[...], load_model(tiny_model_dir, None)[0].embedder.input_embedding[...]
-    )
+    assert restore_latest(fresh, tmp_path / "b" / "ckpt") == 6
+    assert np.array_equal(_params(fresh)["embedder.input_embedding"], got["embedder.input_embedding"])
+
+
+def test_gradient_accumulation_matches_one_larger_batch(tiny_model_dir, tmp_path):
+    from .test_export import _rows as uniform_rows  # equal completion lengths: means of means are the mean
+
+    rows = uniform_rows(n=16, length=24)
+    mesh = make_mesh(MESH)
+    big, _ = load_model(tiny_model_dir, mesh)
+    train(big, rows, rows.head(0), _sft(tmp_path / "a", max_steps=2, per_device_batch_size=2), mesh)
+    small, _ = load_model(tiny_model_dir, mesh)
+    result = train(small, rows, rows.head(0),
+                   _sft(tmp_path / "b", max_steps=2, per_device_batch_size=1, gradient_accumulation_steps=2), mesh)
+    assert result["global_batch_size"] == 8 and result["latest_step"] == 2
+    a, b = _params(big), _params(small)
+    assert all(np.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+def test_corrupt_latest_checkpoint_is_set_aside(tiny_model_dir, token_rows, tmp_path):
+    mesh = make_mesh(MESH)
+    model, _ = load_model(tiny_model_dir, mesh)
+    train(model, token_rows, token_rows.head(0), _sft(tmp_path, max_steps=6), mesh)
+    for f in (tmp_path / "ckpt" / "6" / "model_params").rglob("*"):
+        if f.is_file() and f.stat().st_size > 100:
+            f.write_bytes(b"\0" * 10)  # truncated data files
+    model, _ = load_model(tiny_model_dir, mesh)
+    result = train(model, token_rows, token_rows.head(0), _sft(tmp_path, max_steps=6), mesh)
+    assert result["resumed_from_step"] == 3 and result["latest_step"] == 6
+    assert (tmp_path / "ckpt" / "6.corrupt").is_dir()
+
+
+def test_session_budget_stops_with_a_checkpoint_in_time(tiny_model_dir, token_rows, tmp_path):
+    import psutil
+
+    mesh = make_mesh(MESH)
+    model, _ = load_model(tiny_model_dir, mesh)
+    deadline_in = 15.0
+    elapsed = time.time() - psutil.Process().create_time()
+    sft = _sft(tmp_path, max_steps=100_000, checkpoint_every=1000, time_budget_hours=(elapsed + deadline_in) / 3600)
+    started = time.time()
+    result = train(model, token_rows, token_rows.head(0), sft, mesh)
+    assert time.time() - started < deadline_in
+    assert result["stopped_early"] == "session time budget" and 0 < result["latest_step"] < 100_000
+    assert (tmp_path / "ckpt" / str(result["latest_step"])).is_dir()
+
+
+def _run_worker(spec, **popen):
+    return subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], cwd=ROOT, **popen)
+
+
+def _spec(tiny_model_dir, rows_file, out, ckpt, **sft):
+    return {
+        "model_dir": str(tiny_model_dir), "rows": str(rows_file), "out": str(out), "mesh": {"fsdp": 4, "tp": 2},
+        "sft": {"max_steps": 10, "per_device_batch_size": 1, "learning_rate": 1e-2, "warmup_steps": 1,
+                "checkpoint_every": 2, "checkpoint_dir": str(ckpt), **sft},
+    }
+
+
+def _wait_for(path, process, seconds=120):
+    deadline = time.time() + seconds
+    while not path.exists():
+        assert process.poll() is None, "the worker ended before the test could interrupt it"
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_kill_9_then_rerun_ends_bitwise_equal_to_an_uninterrupted_run(tiny_model_dir, rows_file, tmp_path):
+    straight = _run_worker(_spec(tiny_model_dir, rows_file, tmp_path / "straight", tmp_path / "a"))
+    assert straight.wait(300) == 0
+
+    spec = {**_spec(tiny_model_dir, rows_file, tmp_path / "resumed", tmp_path / "b"), "seconds_per_step": 0.3}
+    victim = _run_worker(spec)
+    _wait_for(tmp_path / "b" / "4", victim)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(30)
+    assert not (tmp_path / "resumed.json").exists()
+    spec.pop("seconds_per_step")
+    assert _run_worker(spec).wait(300) == 0
+
+    result = json.loads((tmp_path / "resumed.json").read_text())
+    assert result["resumed_from_step"] >= 4 and result["latest_step"] == 10
+    assert [h["step"] for h in result["loss_history"]] == list(range(1, 11))
+    a, b = np.load(tmp_path / "straight.npz"), np.load(tmp_path / "resumed.npz")
+    assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tiny_model_dir, rows_file, tmp_path):
+    spec = {**_spec(tiny_model_dir, rows_file, tmp_path / "out", tmp_path / "ckpt", max_steps=1000,
+                    checkpoint_every=500), "seconds_per_step": 0.3}
+    worker = _run_worker(spec, stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not list((tmp_path / "ckpt").glob("*")) and time.time() < deadline:  # training has started
+        time.sleep(0.1)
+    time.sleep(3)
+    worker.send_signal(signal.SIGTERM)
+    out, _ = worker.communicate(timeout=120)
+    assert worker.returncode == 3, out
+    assert "rerun the same command to resume" in out
+    steps = [int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit()]
+    assert steps and 0 < max(steps) < 1000
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_loss_curve_of_one(tiny_model_dir, rows_file, tmp_path):
+    # two rows per device: with one, JAX's CPU collectives across processes returned each process's own loss
+    two_rows = {"max_steps": 4, "per_device_batch_size": 2}
+    single = _run_worker(_spec(tiny_model_dir, rows_file, tmp_path / "single", tmp_path / "a", **two_rows))
+    assert single.wait(300) == 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workers = [
+        _run_worker({**_spec(tiny_model_dir, rows_file, tmp_path / "multi", tmp_path / "b", **two_rows),
+                     "devices": 4, "num_processes": 2, "process_id": i, "coordinator": f"127.0.0.1:{port}"})
+        for i in range(2)
+    ]
+    assert [w.wait(300) for w in workers] == [0, 0]
+    one = json.loads((tmp_path / "single.json").read_text())["loss_history"]
+    two = json.loads((tmp_path / "multi.json").read_text())["loss_history"]
+    assert [h["step"] for h in two] == [1, 2, 3, 4]
+    np.testing.assert_allclose([h["loss"] for h in two], [h["loss"] for h in one], rtol=1e-5)
+    assert (tmp_path / "b" / "4").is_dir()
 
 
 def test_warmup_must_fit_in_the_run(tmp_path):

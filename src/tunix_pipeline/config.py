@@ -104,30 +104,56 @@ class FormatParams(Strict):
 class TokenizeParams(Strict):
     max_length: int = Field(gt=8)
     overflow: Literal["truncate", "drop"] = "truncate"
+    # several short examples per row (segment ids keep attention within each)
+    pack: bool = False
     histogram_bins: int = Field(10, gt=0)
 
 
 # ---------------------------------------------------------------- runtime / sft / evaluate
+class DistributedParams(Strict):
+    """Arguments of `jax.distributed.initialize` (one process per host)."""
+
+    coordinator_address: str
+    num_processes: int = Field(gt=0)
+    process_id: int = Field(ge=0)
+
+
 class RuntimeParams(Strict):
     # Fake CPU devices to expose when JAX runs on the CPU (no effect on GPU/TPU).
     host_device_count: int = Field(1, ge=1)
-    # "auto": every device on the fsdp axis; or explicit sizes, e.g. {fsdp: 4, tp: 2}
-    mesh: Literal["auto"] | dict[Literal["fsdp", "tp"], int] = "auto"
+    # "auto": every device on the fsdp axis; or explicit sizes, e.g. {data: 2, fsdp: 4, tp: 1}
+    mesh: Literal["auto"] | dict[Literal["data", "fsdp", "tp"], int] = "auto"
+    # multi-host: off (one process), auto (JAX finds the cluster: TPU pods, SLURM, ...), or explicit
+    distributed: Literal["off", "auto"] | DistributedParams = "off"
+    # the accelerator's peak bf16 FLOP/s per device, for MFU; null: MFU is not logged
+    peak_flops_per_device: float | None = Field(None, gt=0)
 
 
 class SftParams(Strict):
     max_steps: int = Field(gt=0)
     per_device_batch_size: int = Field(gt=0)
+    # optimizer steps average this many micro-batches (global batch = per-device x data devices x this)
+    gradient_accumulation_steps: int = Field(1, gt=0)
     optimizer: Literal["adamw", "adafactor"] = "adamw"
     learning_rate: float = Field(gt=0)
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    # decoupled weight decay on matrices only (not norms or biases)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float | None = Field(1.0, gt=0)
+    # bfloat16: compute in bf16 while the weights (and optimizer) stay in model.dtype, e.g. fp32 masters
+    compute_dtype: Literal["bfloat16"] | None = None
+    # activation rematerialisation: none, attention (each attention block), decoder (each whole layer)
+    remat: Literal["none", "attention", "decoder"] = "none"
+    # cross-entropy in chunks of this many positions (less memory for large vocabularies); null: at once
+    loss_chunk_size: int | None = Field(None, gt=0)
     checkpoint_dir: str = "data/06_models/sft_checkpoints"
     checkpoint_every: int = Field(gt=0)
     keep_checkpoints: int = Field(3, gt=0)
     eval_every: int | None = Field(None, gt=0)
+    # stop early enough to save a checkpoint before this many hours pass since the process started
+    # (Kaggle sessions: 9); null: no limit
+    time_budget_hours: float | None = Field(None, gt=0)
     seed: int = 0
 
     @model_validator(mode="after")
@@ -142,10 +168,83 @@ class SftParams(Strict):
 class EvaluateParams(Strict):
     num_prompts: int = Field(16, ge=0, description="held-out prompts to generate for")
     max_new_tokens: int = Field(64, gt=0)
-    batch_size: int = Field(8, gt=0)
-    temperature: float = Field(0.0, ge=0)
+    # prompts longer than this (in tokens) are skipped and counted; null: room for the longest one
+    max_prompt_length: int | None = Field(None, gt=0)
+    batch_size: int = Field(8, gt=0, description="sequences per generation call (prompts x samples)")
+    temperature: float = Field(0.0, ge=0, description="0: greedy")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, gt=0)
+    num_samples: int = Field(1, ge=1, description="samples per prompt; >1 adds pass@k and majority@k")
+    seed: int = 0
     numeric_tolerance: float = Field(1e-6, ge=0)
     compare_base_model: bool = True
+
+    @model_validator(mode="after")
+    def _sampling(self):
+        if self.num_samples > 1 and self.temperature == 0:
+            raise ValueError("num_samples > 1 needs temperature > 0 (greedy samples are all the same)")
+        if (self.top_p is not None or self.top_k is not None) and self.temperature == 0:
+            raise ValueError("top_p / top_k need temperature > 0 (temperature 0 is greedy)")
+        return self
+
+
+class RewardParams(Strict):
+    """One GRPO reward: a built-in name or `package.module:function`, weighted in the total."""
+
+    # built-in: format_exact, format_approx, answer, length_penalty;
+    # custom: "package.module:function" with signature (prompts, completions, **columns) -> list[float]
+    fn: str
+    weight: float = 1.0
+    name: str | None = Field(None, description="label in metrics; default: the function's name")
+    kwargs: dict = Field({}, description="extra keyword arguments for the function")
+
+
+class GrpoParams(Strict):
+    """GRPO polish from the SFT checkpoint with Tunix's RLCluster + GRPOLearner (vanilla rollout)."""
+
+    enabled: bool = True
+    loss_variant: Literal["grpo", "dr-grpo", "dapo"] = "grpo"
+    max_steps: int = Field(gt=0)
+    batch_size: int = Field(2, gt=0, description="prompts per step (x num_generations completions)")
+    num_generations: int = Field(4, ge=2, description="completions per prompt (G)")
+    num_iterations: int = Field(1, ge=1, description="policy updates per batch of rollouts (mu)")
+    beta: float = Field(0.04, ge=0, description="KL weight to the frozen SFT reference; 0: no reference model")
+    epsilon: float = Field(0.2, gt=0, description="clipping epsilon")
+    epsilon_high: float | None = Field(None, gt=0, description="dapo only: upper clip (default 0.28)")
+    max_prompt_length: int = Field(128, gt=0, description="longer prompts are skipped and counted")
+    max_completion_length: int = Field(64, gt=0)
+    temperature: float = Field(0.9, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, gt=0)
+    learning_rate: float = Field(1e-5, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    checkpoint_dir: str = "data/06_models/grpo_checkpoints"
+    checkpoint_every: int = Field(100, gt=0)
+    keep_checkpoints: int = Field(3, gt=0)
+    seed: int = 0
+    rewards: list[RewardParams] = Field(
+        [
+            RewardParams(fn="format_exact", weight=1.0),
+            RewardParams(fn="format_approx", weight=0.5),
+            RewardParams(fn="answer", weight=2.0),
+        ],
+        min_length=1,
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.warmup_steps >= self.max_steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than max_steps ({self.max_steps})")
+        if self.epsilon_high is not None and self.loss_variant != "dapo":
+            raise ValueError("epsilon_high is a dapo setting; set loss_variant: dapo or remove it")
+        if self.loss_variant == "dapo" and self.beta != 0:
+            raise ValueError("dapo has no KL term: set beta: 0")
+        names = [r.name or r.fn.rsplit(":", 1)[-1] for r in self.rewards]
+        if len(set(names)) != len(names):
+            raise ValueError(f"reward names must be unique (set `name:`), got {names}")
+        return self
 
 
 class ExportParams(Strict):
@@ -177,6 +276,7 @@ class HardwareProfile(Strict):
     session_hours: float | None = Field(None, gt=0, description="a session ends after this (Kaggle: 9)")
     weekly_hours: float | None = Field(None, gt=0, description="quota per week (Kaggle TPU: 20)")
     mfu: float | None = Field(None, gt=0, le=1, description="overrides plan.mfu on this hardware")
+    setup_minutes: float | None = Field(None, ge=0, description="overrides plan.session_setup_minutes")
     note: str = ""
 
 

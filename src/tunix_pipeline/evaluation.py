@@ -1,104 +1,337 @@
-"""Evaluation: eval loss, generation with Tunix's sampler, answer accuracy and format compliance."""
+"""Evaluation: eval loss, generation with Tunix's KV-cache sampler, and the metrics people compare.
+
+Metrics per model (`score`):
+- `answer_exact`: the extracted answer equals the reference (after trimming and removing commas);
+- `answer_accuracy`: exact, or numerically equal within `numeric_tolerance`;
+- `format_compliance`: exactly `<reasoning>…</reasoning><answer>…</answer>`, each tag once;
+- `missing_answer`: no closed `<answer>…</answer>` (e.g. a model that never closes its tags);
+- `truncated`: generation stopped at `max_new_tokens` without an end-of-turn;
+- `mean_completion_tokens` / `mean_completion_chars`;
+- with several samples per prompt: `pass@k` (some sample right) and `majority@k`
+  (the most common extracted answer is right); accuracies are then over all samples (pass@1).
+
+A prompt longer than `max_prompt_length` is skipped and counted (`prompts_too_long`),
+an empty eval split gives a report that says so, not an exception.
+"""
 
 from __future__ import annotations
 
+import logging
 import math
+from collections import Counter
 
+import numpy as np
 import pandas as pd
 
 from tunix_pipeline.config import EvaluateParams
-from tunix_pipeline.formatting import GEMMA_END_OF_TURN, extract_answer, is_well_formed
+from tunix_pipeline.formatting import GEMMA_END_OF_TURN, extract_answer
+from tunix_pipeline.rewards import exactly_formatted
 
-SAMPLE_COLUMNS = ["model", "id", "prompt", "reference", "generated", "extracted", "correct", "well_formed"]
+log = logging.getLogger(__name__)
+
+SAMPLE_COLUMNS = [
+    "model", "id", "sample", "prompt", "reference", "generated", "extracted",
+    "correct", "exact", "well_formed", "completion_tokens", "truncated",
+]
+
+
+# ---------------------------------------------------------------- answers
+def _normal(text: str) -> str:
+    return text.strip().replace(",", "")
+
+
+def exact_match(predicted: str | None, reference: str) -> bool:
+    return predicted is not None and _normal(predicted) == _normal(str(reference))
 
 
 def answers_match(predicted: str | None, reference: str, tolerance: float) -> bool:
     """Exact match after trimming, or numeric equality within `tolerance`."""
     if predicted is None:
         return False
-    a, b = predicted.strip().replace(",", ""), reference.strip().replace(",", "")
+    a, b = _normal(predicted), _normal(str(reference))
     if a == b:
         return True
     try:
-        return math.isclose(float(a), float(b), rel_tol=0.0, abs_tol=tolerance)
+        x, y = float(a), float(b)
     except ValueError:
         return False
+    return math.isfinite(x) and math.isfinite(y) and math.isclose(x, y, rel_tol=0.0, abs_tol=tolerance)
 
 
-def generate(model, tokenizer, prompts: list[str], params: EvaluateParams, cache_size: int) -> list[str]:
-    """Completions for `prompts` with Tunix's KV-cache sampler (greedy when temperature is 0)."""
-    from tunix.generate import sampler as sampler_lib
+def vote_key(answer: str) -> str:
+    """Answers that mean the same number vote together ("12", "12.0", "1,2" is not a number)."""
+    text = _normal(answer)
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    return repr(value) if math.isfinite(value) else text
 
-    cfg = model.config
-    sampler = sampler_lib.Sampler(
-        transformer=model,
-        tokenizer=tokenizer,
-        cache_config=sampler_lib.CacheConfig(
-            cache_size=cache_size, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
-        ),
-    )
+
+def majority_answer(answers: list[str | None]) -> str | None:
+    """The most common extracted answer (ties: the first drawn); None when no sample has one."""
+    present = [a for a in answers if a is not None]
+    if not present:
+        return None
+    counts = Counter(vote_key(a) for a in present)
+    best = max(counts.values())
+    return next(a for a in present if counts[vote_key(a)] == best)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are right (Chen et al., 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+# ---------------------------------------------------------------- generation
+def end_tokens(tokenizer) -> list[int]:
     stop = [tokenizer.eos_token_id]
     if GEMMA_END_OF_TURN in tokenizer.get_vocab():
         stop.append(tokenizer.convert_tokens_to_ids(GEMMA_END_OF_TURN))
-    prompt_len = cache_size - params.max_new_tokens
-    sampled = dict(temperature=params.temperature, top_p=1.0, seed=0) if params.temperature > 0 else {}
-    outputs = []
-    for start in range(0, len(prompts), params.batch_size):
-        chunk = prompts[start : start + params.batch_size]
-        # pad the batch to a fixed size: one compiled shape for every chunk
-        padded = chunk + [chunk[-1]] * (params.batch_size - len(chunk))
-        out = sampler(
-            padded,
-            max_generation_steps=params.max_new_tokens,
-            max_prompt_length=prompt_len,
-            eos_tokens=stop,
-            **sampled,
+    return [t for t in stop if t is not None]
+
+
+def prompt_lengths(tokenizer, prompts: list[str]) -> list[int]:
+    """Prompt lengths in tokens, counted as Tunix's sampler tokenizes them (one BOS)."""
+    from tunix.generate import tokenizer_adapter
+
+    adapter = tokenizer_adapter.TokenizerAdapter(tokenizer)
+    bos = [adapter.bos_id()] if adapter.bos_id() is not None else []
+    return [len(adapter.dedup_bos_ids(bos + list(adapter.encode(p)))) for p in prompts]
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class Generator:
+    """Tunix's `Sampler` with one KV cache shape: fixed batch and prompt length, one compile.
+
+    The sampler reads the model's variables at each call, so a checkpoint restored
+    into the same model afterwards is what the next call generates with.
+    """
+
+    def __init__(self, model, tokenizer, params: EvaluateParams, prompt_length: int):
+        from tunix.generate import sampler as sampler_lib
+
+        cfg = model.config
+        self.params = params
+        self.prompt_length = prompt_length
+        self.stop = end_tokens(tokenizer)
+        self.sampler = sampler_lib.Sampler(
+            transformer=model,
+            tokenizer=tokenizer,
+            cache_config=sampler_lib.CacheConfig(
+                cache_size=prompt_length + params.max_new_tokens,
+                num_layers=cfg.num_layers,
+                num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim,
+            ),
         )
-        outputs.extend(out.text[: len(chunk)])
-    return outputs
+
+    def __call__(self, prompts: list[str]) -> tuple[list[str], list[int]]:
+        """(texts, completion lengths in tokens), `num_samples` consecutive ones per prompt."""
+        p = self.params
+        expanded = [prompt for prompt in prompts for _ in range(p.num_samples)]
+        sampling = {}
+        if p.temperature > 0:
+            sampling = dict(temperature=p.temperature, top_p=p.top_p if p.top_p is not None else 1.0, top_k=p.top_k)
+        texts, lengths = [], []
+        for i, start in enumerate(range(0, len(expanded), p.batch_size)):
+            chunk = expanded[start : start + p.batch_size]
+            padded = chunk + [chunk[-1]] * (p.batch_size - len(chunk))  # one compiled shape for every chunk
+            out = self.sampler(
+                padded,
+                max_generation_steps=p.max_new_tokens,
+                max_prompt_length=self.prompt_length,
+                eos_tokens=self.stop,
+                seed=p.seed + i if sampling else None,
+                **sampling,
+            )
+            texts.extend(out.text[: len(chunk)])
+            lengths.extend(int(len(t)) for t in out.tokens[: len(chunk)])
+        return texts, lengths
 
 
-def prompt_budget(tokenizer, prompts: list[str], max_new_tokens: int) -> int:
-    """A power-of-two KV cache that holds the longest prompt plus the new tokens."""
-    longest = max(len(tokenizer(p, add_special_tokens=True)["input_ids"]) for p in prompts)
-    prompt_len = 1 << (longest - 1).bit_length()
-    return prompt_len + max_new_tokens
+def select_prompts(formatted: pd.DataFrame, tokenizer, params: EvaluateParams) -> tuple[pd.DataFrame, int, int]:
+    """(prompts to generate for, how many were skipped as too long, the padded prompt length)."""
+    held_out = formatted.head(params.num_prompts).reset_index(drop=True)
+    if not len(held_out):
+        return held_out, 0, 0
+    lengths = np.asarray(prompt_lengths(tokenizer, held_out["prompt"].tolist()))
+    if params.max_prompt_length is None:
+        return held_out, 0, next_power_of_two(int(lengths.max()))
+    fits = lengths <= params.max_prompt_length
+    skipped = int((~fits).sum())
+    if skipped:
+        log.warning(
+            "evaluate: %d of %d prompts are longer than evaluate.max_prompt_length=%d tokens (longest %d); skipped",
+            skipped, len(held_out), params.max_prompt_length, int(lengths.max()),
+        )
+    return held_out[fits].reset_index(drop=True), skipped, params.max_prompt_length
 
 
-def score(label: str, formatted: pd.DataFrame, generated: list[str], params: EvaluateParams) -> tuple[dict, pd.DataFrame]:
+# ---------------------------------------------------------------- metrics
+def score(
+    label: str,
+    formatted: pd.DataFrame,
+    generated: list[str],
+    params: EvaluateParams,
+    completion_tokens: list[int] | None = None,
+) -> tuple[dict, pd.DataFrame]:
+    """Metrics and one sample row per generation; `generated` holds `num_samples` consecutive texts per prompt."""
+    k = params.num_samples
+    records = formatted.to_dict(orient="records")
+    if len(generated) != len(records) * k:
+        raise ValueError(f"{len(generated)} generations for {len(records)} prompts x {k} samples")
+    have_tokens = bool(completion_tokens) and completion_tokens[0] is not None
+    completion_tokens = completion_tokens if have_tokens else [None] * len(generated)
     rows = []
-    for record, text in zip(formatted.to_dict(orient="records"), generated):
-        text = text.replace(GEMMA_END_OF_TURN, "").strip()
+    for j, (text, n_tokens) in enumerate(zip(generated, completion_tokens)):
+        record = records[j // k]
+        text = (text or "").replace(GEMMA_END_OF_TURN, "").strip()
         extracted = extract_answer(text)
+        reference = str(record["answer"])
         rows.append(
             {
                 "model": label,
                 "id": record["id"],
+                "sample": j % k,
                 "prompt": record["prompt"],
-                "reference": record["answer"],
+                "reference": reference,
                 "generated": text,
                 "extracted": extracted,
-                "correct": answers_match(extracted, record["answer"], params.numeric_tolerance),
-                "well_formed": is_well_formed(text),
+                "correct": answers_match(extracted, reference, params.numeric_tolerance),
+                "exact": exact_match(extracted, reference),
+                "well_formed": exactly_formatted(text),
+                "completion_tokens": n_tokens,
+                "truncated": n_tokens is not None and n_tokens >= params.max_new_tokens,
             }
         )
     samples = pd.DataFrame(rows, columns=SAMPLE_COLUMNS)
     n = len(samples)
+
+    def mean(column) -> float | None:
+        return float(np.mean([float(r[column]) for r in rows])) if n else None
+
     metrics = {
-        "prompts": n,
-        "answer_accuracy": float(samples["correct"].mean()) if n else 0.0,
-        "format_compliance": float(samples["well_formed"].mean()) if n else 0.0,
-        "mean_completion_chars": float(samples["generated"].str.len().mean()) if n else 0.0,
+        "prompts": len(records),
+        "samples": n,
+        "answer_accuracy": mean("correct"),
+        "answer_exact": mean("exact"),
+        "format_compliance": mean("well_formed"),
+        "missing_answer": float(np.mean([r["extracted"] is None for r in rows])) if n else None,
+        "truncated": mean("truncated") if have_tokens else None,
+        "mean_completion_tokens": mean("completion_tokens") if have_tokens else None,
+        "mean_completion_chars": float(np.mean([len(r["generated"]) for r in rows])) if n else None,
     }
+    if k > 1:
+        pass_k, majority_k = [], []
+        for start in range(0, n, k):  # the k samples of one prompt
+            group = rows[start : start + k]
+            pass_k.append(pass_at_k(k, sum(r["correct"] for r in group), k))
+            voted = majority_answer([r["extracted"] for r in group])
+            majority_k.append(answers_match(voted, group[0]["reference"], params.numeric_tolerance))
+        metrics[f"pass@{k}"] = float(np.mean(pass_k)) if pass_k else None
+        metrics[f"majority@{k}"] = float(np.mean(majority_k)) if majority_k else None
     return metrics, samples
 
 
-def markdown_table(metrics: dict[str, dict]) -> str:
-    """Models side by side: one column per model, one row per metric."""
+def _cell(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def markdown_table(metrics: dict[str, dict], delta: tuple[str, str] | None = None) -> str:
+    """Models side by side: one column per model, one row per metric; `delta=(a, b)` adds a b − a column."""
     models = list(metrics)
-    names = [k for k in metrics[models[0]] if isinstance(metrics[models[0]][k], (int, float))]
-    lines = ["| metric | " + " | ".join(models) + " |", "|---|" + "---|" * len(models)]
+    names = []
+    for m in models:
+        for k, v in metrics[m].items():
+            if k not in names and (v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))):
+                names.append(k)
+    header = models + ([f"{delta[1]} − {delta[0]}"] if delta else [])
+    lines = ["| metric | " + " | ".join(header) + " |", "|---|" + "---|" * len(header)]
     for name in names:
-        cells = [f"{metrics[m][name]:.4g}" if isinstance(metrics[m][name], float) else str(metrics[m][name]) for m in models]
+        cells = [_cell(metrics[m].get(name)) for m in models]
+        if delta:
+            a, b = metrics[delta[0]].get(name), metrics[delta[1]].get(name)
+            ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
+            cells.append(_cell(float(b - a)) if ok else "—")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- the evaluator
+class Evaluator:
+    """Loss on every eval row and generation on the held-out prompts, for one model whose weights change."""
+
+    def __init__(self, model, tokenizer, mesh, params: EvaluateParams, eval_tokens: pd.DataFrame,
+                 eval_formatted: pd.DataFrame, loss_batch_size: int):
+        self.model, self.tokenizer, self.mesh, self.params = model, tokenizer, mesh, params
+        self.eval_tokens, self.loss_batch_size = eval_tokens, loss_batch_size
+        self.held_out, self.too_long, self.prompt_length = select_prompts(eval_formatted, tokenizer, params)
+        self._generator: Generator | None = None
+
+    def measure(self, label: str) -> tuple[dict, pd.DataFrame]:
+        from tunix_pipeline.training import evaluate_loss
+
+        metrics: dict = {"eval_loss": None, "eval_perplexity": None, "eval_tokens": 0}
+        if len(self.eval_tokens):
+            loss = evaluate_loss(self.model, self.eval_tokens, self.loss_batch_size, self.mesh)
+            metrics = {f"eval_{k}": v for k, v in loss.items()}
+        prompts = self.held_out["prompt"].tolist()
+        texts, lengths = [], []
+        if prompts:
+            if self._generator is None:
+                self._generator = Generator(self.model, self.tokenizer, self.params, self.prompt_length)
+            with self.mesh:
+                texts, lengths = self._generator(prompts)
+        scores, samples = score(label, self.held_out, texts, self.params, lengths)
+        return {**metrics, **scores, "prompts_too_long": self.too_long}, samples
+
+
+def empty_report(reason: str) -> str:
+    return f"# Evaluation\n\nNothing was evaluated: {reason}\n"
+
+
+# ---------------------------------------------------------------- curves
+def training_curves(sft_history: list[dict] | None, grpo_history: list[dict] | None = None):
+    """A matplotlib figure: the SFT loss per step and, when GRPO ran, its total reward and KL per step."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
+
+    panels = 1 + bool(grpo_history)
+    fig = Figure(figsize=(6 * panels, 4))
+    axes = fig.subplots(1, panels, squeeze=False)
+    ax = axes[0][0]
+    if sft_history:
+        ax.plot([h["step"] for h in sft_history], [h["loss"] for h in sft_history], label="train loss")
+        ax.set_yscale("log")
+    ax.set(title="SFT", xlabel="step", ylabel="loss")
+    ax.grid(alpha=0.3)
+    if grpo_history:
+        ax = axes[0][1]
+        steps = [h["step"] for h in grpo_history]
+        ax.plot(steps, [h.get("reward") for h in grpo_history], marker="o", label="total reward")
+        ax.set(title="GRPO", xlabel="step", ylabel="reward")
+        if any(h.get("kl") is not None for h in grpo_history):
+            twin = ax.twinx()
+            twin.plot(steps, [h.get("kl") for h in grpo_history], color="tab:red", alpha=0.6, label="KL")
+            twin.set_ylabel("KL")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def log_figure(fig, name: str) -> None:
+    """The figure as a PNG artifact of the active MLflow run (process 0 only); no run: nothing."""
+    import jax
+    import mlflow
+
+    if mlflow.active_run() is not None and jax.process_index() == 0:
+        mlflow.log_figure(fig, name)

@@ -6,9 +6,10 @@ import logging
 import os
 
 from kedro.framework.hooks import hook_impl
+from pydantic import BaseModel
 
 from tunix_pipeline.config import RuntimeParams, TrackingParams
-from tunix_pipeline.runtime import configure_host_devices
+from tunix_pipeline.runtime import configure_host_devices, initialize_distributed
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,14 @@ class ProjectHooks:
 
     @hook_impl
     def after_context_created(self, context) -> None:
-        raw = context.config_loader["parameters"]
         export_credentials(context.config_loader)
-        self._runtime = RuntimeParams.model_validate(raw.get("runtime", {}))
+        # validated by Kedro against the nodes' pydantic hints, with --params overrides applied
+        params = {k: v.model_dump() if isinstance(v, BaseModel) else v for k, v in context.params.items()}
+        self._runtime = RuntimeParams.model_validate(params.get("runtime", {}))
         configure_host_devices(self._runtime.host_device_count)
-        self._tracking = TrackingParams.model_validate(raw.get("tracking", {}))
-        self._params = raw
+        initialize_distributed(self._runtime.distributed)
+        self._tracking = TrackingParams.model_validate(params.get("tracking", {}))
+        self._params = params
         self._env = context.env
         self._project_path = context.project_path
 
@@ -69,6 +72,10 @@ class ProjectHooks:
         # mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI; put the user's back afterwards
         self._user_uri = os.environ.get("MLFLOW_TRACKING_URI")
         uri = tracking.tracking_uri(self._tracking, self._project_path)
+        resume = None
+        if "train_sft" in {node.name for node in pipeline.nodes}:
+            # a killed or preempted training continues its own run: one curve, one value per step
+            resume = tracking.unfinished_run(self._project_path / self._params["sft"]["checkpoint_dir"], uri)
         self._run = tracking.start_run(
             uri,
             self._tracking,
@@ -79,6 +86,7 @@ class ProjectHooks:
                 "kedro.session_id": run_params.get("session_id"),
                 "mlflow.source.git.commit": tracking.git_commit(),
             },
+            run_id=resume,
         )
         log.info("MLflow run %s in %s", self._run.info.run_id, uri)
 

@@ -2,7 +2,7 @@
 
 from kedro.pipeline import Pipeline
 
-from tunix_pipeline.pipelines import base_model, evaluate, export, format, ingest, sft, smoke, tokenize
+from tunix_pipeline.pipelines import base_model, evaluate, export, format, grpo, ingest, plan, sft, smoke, tokenize
 
 
 def register_pipelines() -> dict[str, Pipeline]:
@@ -13,7 +13,9 @@ def register_pipelines() -> dict[str, Pipeline]:
         "tokenize": tokenize.create_pipeline(),
         "sft": sft.create_pipeline(),
         "evaluate": evaluate.create_pipeline(),
+        # GRPO and the evaluation after it; with `grpo.enabled: false` the SFT checkpoint passes through
+        "grpo": grpo.create_pipeline(),
         "export": export.create_pipeline(),
     }
     dag = sum(stages.values(), Pipeline([]))
-    return {**stages, "smoke": dag + smoke.create_pipeline(), "__default__": dag}
+    return {**stages, "plan": plan.create_pipeline(), "smoke": dag + smoke.create_pipeline(), "__default__": dag}

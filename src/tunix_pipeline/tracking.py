@@ -6,6 +6,7 @@ Only JAX process 0 talks to MLflow. The default store is the embedded
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -56,12 +57,47 @@ def git_commit() -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def start_run(uri: str, params: TrackingParams, all_params: Mapping, tags: Mapping[str, str]):
+def start_run(uri: str, params: TrackingParams, all_params: Mapping, tags: Mapping[str, str], run_id: str | None = None):
+    """A new MLflow run, or the unfinished run `run_id` continued (a resumed training)."""
     mlflow.set_tracking_uri(uri)
     mlflow.set_experiment(params.experiment)
-    run = mlflow.start_run(tags={k: v for k, v in tags.items() if v is not None})
-    mlflow.log_params({k: str(v)[:MAX_PARAM_LENGTH] for k, v in flatten(all_params).items()})
+    flat = {k: str(v)[:MAX_PARAM_LENGTH] for k, v in flatten(all_params).items()}
+    if run_id is not None:
+        logged = mlflow.MlflowClient().get_run(run_id).data.params
+        changed = sorted(k for k in flat if k in logged and logged[k] != flat[k])
+        flat = {k: v for k, v in flat.items() if k not in logged}  # MLflow refuses to change a parameter
+        tags = {**tags, "resumed": "true", "resumed_with_changed_params": ",".join(changed) or None}
+    run = mlflow.start_run(run_id=run_id, tags={k: v for k, v in tags.items() if v is not None})
+    mlflow.log_params(flat)
     return run
+
+
+RUN_FILE = "mlflow_run.json"
+
+
+def remember_run(checkpoint_dir: str | Path) -> None:
+    """Records the active run beside the checkpoints, so that resuming them continues it."""
+    run = mlflow.active_run()
+    if run is None:
+        return
+    folder = Path(checkpoint_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / RUN_FILE).write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": mlflow.get_tracking_uri()}))
+
+
+def unfinished_run(checkpoint_dir: str | Path, uri: str) -> str | None:
+    """The run that trained these checkpoints, when it never finished (killed or preempted)."""
+    path = Path(checkpoint_dir) / RUN_FILE
+    if not path.is_file():
+        return None
+    recorded = json.loads(path.read_text())
+    if recorded.get("tracking_uri") != uri:
+        return None
+    try:
+        run = mlflow.MlflowClient(tracking_uri=uri).get_run(recorded["run_id"])
+    except Exception:  # deleted, or another store
+        return None
+    return run.info.run_id if run.info.status != "FINISHED" else None
 
 
 def end_run(failed: bool) -> None:
@@ -93,11 +129,40 @@ def _jsonable(value):
     return json.loads(json.dumps(value, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
 
 
+@contextlib.contextmanager
+def scalar_listeners_scope():
+    """Scalar listeners added inside are removed on exit; stale MLflow ones from earlier stages before.
+
+    Tunix's `MetricsLogger.close()` calls `jax.monitoring.clear_event_listeners()`, which in
+    jax 0.10 forgets scalar listeners (it assigns a local `_scalar_listeners`), so a closed
+    trainer's backend keeps receiving every later metric: SFT's MLflow backend would log each
+    GRPO metric a second time.
+    """
+    import jax
+    from jax._src import monitoring
+
+    def listeners():
+        return list(monitoring.get_scalar_listeners())
+
+    for listener in listeners():
+        if isinstance(getattr(listener, "__self__", None), MlflowBackend):
+            jax.monitoring.unregister_scalar_listener(listener)
+    before = listeners()
+    try:
+        yield
+    finally:
+        for listener in listeners():
+            if listener not in before:
+                jax.monitoring.unregister_scalar_listener(listener)
+
+
 class MlflowBackend:
     """A Tunix/metrax `LoggingBackend`: per-step scalars to the active MLflow run.
 
     Tunix names events `<prefix>/<mode>/<metric>`, e.g. `/train/loss`; they are
-    logged as `train/loss` at the event's step.
+    logged as `train/loss` at the event's step. In a continued run, steps that
+    are already logged are skipped: a resumed training replays the steps after
+    its checkpoint with the same values, and MLflow keeps one value per step.
     """
 
     def __init__(self):
@@ -106,15 +171,33 @@ class MlflowBackend:
             raise RuntimeError("MlflowBackend needs an active MLflow run")
         self._client = mlflow.MlflowClient()
         self._run_id = run.info.run_id
+        self._logged_until: dict[str, int] = {}
+
+    def last_logged_step(self, name: str) -> int:
+        if name not in self._logged_until:
+            history = self._client.get_metric_history(self._run_id, name)
+            self._logged_until[name] = max((m.step for m in history), default=0)
+        return self._logged_until[name]
 
     def log_scalar(self, event: str, value, **kwargs) -> None:
+        name = event.strip("/")
         # JAX and Orbax report their own internals on the same channel; keep compile time only
-        if event.startswith("jax/") and event != COMPILE_EVENT:
+        if name.startswith("jax/") and name != COMPILE_EVENT:
             return
         number = _numeric(np.asarray(value).item() if hasattr(value, "shape") else value)
-        if number is None:
+        step = int(kwargs.get("step") or 0)
+        if number is None or (step and step <= self.last_logged_step(name)):
             return
-        self._client.log_metric(self._run_id, event.strip("/"), number, step=int(kwargs.get("step") or 0))
+        self._client.log_metric(self._run_id, name, number, step=step)
+        if step:
+            self._logged_until[name] = step
+
+    def fill_gaps(self, name: str, history: list[dict]) -> None:
+        """Logs the steps of `history` ({step, loss}) that the run lacks (e.g. the one Tunix had not written yet)."""
+        logged = {m.step for m in self._client.get_metric_history(self._run_id, name)}
+        for entry in history:
+            if entry["step"] not in logged:
+                self._client.log_metric(self._run_id, name, entry["loss"], step=entry["step"])
 
     def close(self) -> None:
         pass

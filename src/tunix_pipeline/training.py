@@ -2,18 +2,23 @@
 
 What we add around the trainer, through its own seams:
 - a completion-only loss on integer labels (Tunix's default one-hot encodes
-  the whole vocabulary: 256k wide for Gemma);
-- fixed-size, seeded, resumable batches (Tunix resumes by skipping the
-  batches it already trained on, so the order must be reproducible);
-- per-step metrics to MLflow through a Tunix metrics backend;
+  the whole vocabulary: 256k wide for Gemma), optionally chunked, with packed
+  rows attending only within their own example;
+- batches that are a pure function of the step (`BatchFeed`, a Tunix data
+  hook): a resumed run sees exactly the batches an uninterrupted run would
+  (Tunix itself replays the iterator and skips), each process reads only its
+  share, and SIGTERM or the session budget end the run with a checkpoint;
+- per-step metrics to MLflow through a Tunix metrics backend, with step time,
+  tokens/s, MFU and device memory;
 - a loss history kept beside the checkpoints, so a resumed run reports the
-  whole curve.
+  whole curve; a corrupt latest checkpoint is set aside for the previous one.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import signal
 import time
 from pathlib import Path
 
@@ -25,114 +30,227 @@ import pandas as pd
 from flax import nnx
 
 from tunix_pipeline.config import RuntimeParams, SftParams
-from tunix_pipeline.tokenization import stack
+from tunix_pipeline.tokenization import token_arrays
 
 log = logging.getLogger(__name__)
 HISTORY_FILE = "loss_history.json"
+MESH_AXES = ("data", "fsdp", "tp")
+# the batch dimension is split over every data-parallel axis
+BATCH_AXES = (("data", "fsdp"),)
 
 
 class MeshError(ValueError):
     """A mesh or batch size that does not fit the devices."""
 
 
+class TrainingInterrupted(RuntimeError):
+    """SIGTERM (preemption) stopped training after a checkpoint was saved."""
+
+
 # ---------------------------------------------------------------- mesh
 def make_mesh(runtime: RuntimeParams, devices=None) -> jax.sharding.Mesh:
-    """A (fsdp, tp) mesh over all devices; both axes always exist (Tunix's shardings name them)."""
+    """A (data, fsdp, tp) mesh over all devices; every axis exists (Tunix's shardings name fsdp and tp)."""
     devices = devices if devices is not None else jax.devices()
     if runtime.mesh == "auto":
-        shape = {"fsdp": len(devices), "tp": 1}
+        shape = {"data": 1, "fsdp": len(devices), "tp": 1}
     else:
-        shape = {"fsdp": runtime.mesh.get("fsdp", 1), "tp": runtime.mesh.get("tp", 1)}
-    size = shape["fsdp"] * shape["tp"]
+        shape = {axis: runtime.mesh.get(axis, 1) for axis in MESH_AXES}
+    size = int(np.prod(list(shape.values())))
     if size != len(devices):
         raise MeshError(
             f"runtime.mesh {shape} needs {size} devices but JAX sees {len(devices)} "
             f"({devices[0].platform}); set `runtime.mesh: auto` or sizes whose product is {len(devices)}"
         )
     return jax.make_mesh(
-        tuple(shape.values()),
-        tuple(shape.keys()),
-        axis_types=(jax.sharding.AxisType.Auto,) * 2,
-        devices=devices,
+        tuple(shape.values()), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices
     )
 
 
+def data_parallel_size(mesh: jax.sharding.Mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
 def global_batch_size(sft: SftParams, mesh: jax.sharding.Mesh) -> int:
-    """Per-device batch times the data-parallel (fsdp) devices; tp devices share a batch."""
-    return sft.per_device_batch_size * mesh.shape["fsdp"]
+    """Rows per micro-batch: per-device batch times the data-parallel devices (tp devices share rows)."""
+    return sft.per_device_batch_size * data_parallel_size(mesh)
+
+
+def process_rows(mesh: jax.sharding.Mesh, batch_size: int) -> slice:
+    """The rows of each global batch that this process feeds to its own devices."""
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*BATCH_AXES))
+    spans = sorted(
+        {(s[0].start or 0, s[0].stop or batch_size) for s in sharding.addressable_devices_indices_map((batch_size,)).values()}
+    )
+    start, stop = spans[0][0], spans[-1][1]
+    if sum(b - a for a, b in spans) != stop - start:
+        raise MeshError(f"this process's devices hold non-contiguous rows {spans} of the batch")
+    return slice(start, stop)
 
 
 # ---------------------------------------------------------------- data
-def batches(rows: pd.DataFrame, batch_size: int, seed: int, epochs: int | None = None):
-    """Seeded epochs of full batches (the remainder of each epoch is dropped: one shape, one compile)."""
-    arrays = {
-        "input_tokens": stack(rows, "input_tokens"),
-        "loss_mask": stack(rows, "loss_mask"),
-        "attention_mask": stack(rows, "attention_mask"),
-    }
-    n = len(rows)
-    if n < batch_size:
-        raise MeshError(
-            f"{n} training rows cannot fill one global batch of {batch_size}; "
-            "lower `sft.per_device_batch_size` or add data"
-        )
-    rng = np.random.default_rng(seed)
-    epoch = 0
-    while epochs is None or epoch < epochs:
-        order = rng.permutation(n)
-        for start in range(0, n - batch_size + 1, batch_size):
-            idx = order[start : start + batch_size]
-            yield {k: v[idx] for k, v in arrays.items()}
-        epoch += 1
+class BatchFeed:
+    """Batch `i` of a run is a pure function of `i`: seeded epochs of full batches.
+
+    A Tunix `DataHooks`: the trainer asks for the batch of its current step, so
+    a resumed run continues exactly where an uninterrupted run would be. It also
+    ends the run (returns None, after which Tunix saves a last checkpoint) on
+    SIGTERM or when the session budget leaves only the time to save.
+    """
+
+    def __init__(self, rows: pd.DataFrame, batch_size: int, seed: int, local: slice | None = None):
+        self.arrays = token_arrays(rows)
+        self.n = len(rows)
+        if self.n < batch_size:
+            raise MeshError(
+                f"{self.n} training rows cannot fill one global batch of {batch_size}; "
+                "lower `sft.per_device_batch_size` or add data"
+            )
+        self.batch_size, self.seed = batch_size, seed
+        self.local = local or slice(0, batch_size)
+        self.per_epoch = self.n // batch_size  # the remainder of each epoch is dropped: one shape, one compile
+        self.stop_reason: str | None = None
+        self._eval: list[dict] = []
+        self._eval_iter = None
+        self._deadline = None
+        self._clock = StepClock()
+
+    def batch(self, step: int) -> dict:
+        epoch, k = divmod(step, self.per_epoch)
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        idx = order[k * self.batch_size : (k + 1) * self.batch_size][self.local]
+        return {name: a[idx] for name, a in self.arrays.items()}
+
+    def stop(self, reason: str) -> None:
+        self.stop_reason = reason
+
+    def with_deadline(self, deadline: float | None, save_seconds: float) -> BatchFeed:
+        self._deadline, self._clock.save_seconds = deadline, save_seconds
+        return self
+
+    def with_eval(self, batches: list[dict]) -> BatchFeed:
+        self._eval = batches
+        return self
+
+    # -- tunix.sft.hooks.DataHooks
+    def load_next_train_batch(self, trainer):
+        self._clock.tick()
+        if self._deadline is not None and self.stop_reason is None and self._clock.must_stop(self._deadline):
+            self.stop("session time budget")
+        if self.stop_reason:
+            return None
+        return self.batch(trainer.iter_steps)
+
+    def load_next_eval_batch(self, trainer):
+        if self._eval_iter is None:
+            self._eval_iter = iter(self._eval)
+        batch = next(self._eval_iter, None)
+        if batch is None:
+            self._eval_iter = None  # ready for the next evaluation
+        return batch
 
 
-def eval_batches(rows: pd.DataFrame, batch_size: int):
+class StepClock:
+    """Wall time per step and per checkpoint save, to stop before a deadline with time to save."""
+
+    def __init__(self):
+        self.last = None
+        self.intervals: list[float] = []
+        self.save_seconds = 1.0
+
+    def tick(self) -> None:
+        now = time.time()
+        if self.last is not None:
+            self.intervals.append(now - self.last)
+            if len(self.intervals) > 5:
+                # a step far slower than usual included a save: learn how long saving takes
+                typical = float(np.median(self.intervals[-50:]))
+                if self.intervals[-1] > 3 * typical:
+                    self.save_seconds = max(self.save_seconds, self.intervals[-1] - typical)
+        self.last = now
+
+    def must_stop(self, deadline: float) -> bool:
+        step = float(np.median(self.intervals[-50:])) if self.intervals else 0.0
+        return time.time() + 2 * step + 1.5 * self.save_seconds >= deadline
+
+
+def eval_batches(rows: pd.DataFrame, batch_size: int, local: slice | None = None) -> list[dict]:
     """Every eval row once; the last batch is padded with rows that carry no loss."""
-    arrays = {
-        "input_tokens": stack(rows, "input_tokens"),
-        "loss_mask": stack(rows, "loss_mask"),
-        "attention_mask": stack(rows, "attention_mask"),
-    }
-    n = len(rows)
-    for start in range(0, n, batch_size):
+    arrays = token_arrays(rows)
+    out = []
+    for start in range(0, len(rows), batch_size):
         batch = {k: v[start : start + batch_size] for k, v in arrays.items()}
         short = batch_size - len(batch["input_tokens"])
         if short:
-            batch = {
-                k: np.concatenate([v, np.zeros((short, v.shape[1]), v.dtype) if k != "input_tokens" else np.repeat(v[-1:], short, 0)])
-                for k, v in batch.items()
-            }
+            batch = {k: np.concatenate([v, np.repeat(v[-1:], short, 0)]) for k, v in batch.items()}
             batch["loss_mask"][-short:] = 0
-        yield batch
+        out.append({k: v[local] if local else v for k, v in batch.items()})
+    return out
 
 
 # ---------------------------------------------------------------- model inputs and loss
 def model_inputs(batch: dict) -> dict:
-    """Positions and the causal + padding attention mask for Tunix models."""
-    from tunix.sft import utils as sft_utils
-
-    attention = batch["attention_mask"].astype(bool)
+    """Per-example positions and a causal mask that never crosses examples (segments) or padding."""
+    segments = batch["segment_ids"]
+    same = segments[:, :, None] == segments[:, None, :]
+    length = segments.shape[1]
+    causal = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
     return {
         "input_tokens": batch["input_tokens"],
         "loss_mask": batch["loss_mask"],
-        "positions": sft_utils.build_positions_from_mask(attention),
-        "attention_mask": sft_utils.make_causal_attn_mask(attention),
+        "positions": batch["positions"],
+        "attention_mask": same & causal[None] & (segments[:, None, :] > 0),
     }
 
 
-def token_nll(model, input_tokens, loss_mask, positions, attention_mask):
+def _as_dtype(model, dtype):
+    """`model` with its floating-point weights cast (differentiably) to `dtype`."""
+    graphdef, state = nnx.split(model)
+    cast = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+    return nnx.merge(graphdef, cast)
+
+
+def token_nll(model, input_tokens, loss_mask, positions, attention_mask, chunk_size=None, compute_dtype=None):
     """(sum of next-token NLL over completion tokens, number of such tokens)."""
+    if compute_dtype is not None:
+        model = _as_dtype(model, compute_dtype)
     logits, _ = model(input_tokens, positions, None, attention_mask)
-    logits = logits[:, :-1].astype(jnp.float32)
+    logits, targets = logits[:, :-1], input_tokens[:, 1:]
     mask = loss_mask[:, 1:].astype(jnp.float32)
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, input_tokens[:, 1:])
-    return jnp.sum(nll * mask), jnp.sum(mask)
+    if chunk_size is None or chunk_size >= logits.shape[1]:
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+        return jnp.sum(nll * mask), jnp.sum(mask)
+
+    # chunks of positions, each recomputed in the backward pass: the fp32 softmax
+    # over the vocabulary never exists for the whole sequence at once
+    pad = -logits.shape[1] % chunk_size
+    logits = jnp.pad(logits, ((0, 0), (0, pad), (0, 0)))
+    targets, mask = jnp.pad(targets, ((0, 0), (0, pad))), jnp.pad(mask, ((0, 0), (0, pad)))
+    b, n = logits.shape[0], logits.shape[1] // chunk_size
+
+    @jax.checkpoint
+    def chunk_nll(args):
+        lg, tg, mk = args
+        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(lg.astype(jnp.float32), tg) * mk)
+
+    def split(x):
+        return jnp.moveaxis(x.reshape(b, n, chunk_size, *x.shape[2:]), 1, 0)
+
+    return jnp.sum(jax.lax.map(chunk_nll, (split(logits), split(targets), split(mask)))), jnp.sum(mask)
 
 
-def completion_loss(model, input_tokens, loss_mask, positions, attention_mask):
+def completion_loss(model, input_tokens, loss_mask, positions, attention_mask, chunk_size=None, compute_dtype=None):
     """Mean NLL over completion tokens, from integer labels (no one-hot)."""
-    total, count = token_nll(model, input_tokens, loss_mask, positions, attention_mask)
+    total, count = token_nll(model, input_tokens, loss_mask, positions, attention_mask, chunk_size, compute_dtype)
     return total / jnp.maximum(count, 1.0)
+
+
+def loss_fn_for(sft: SftParams):
+    dtype = jnp.dtype(sft.compute_dtype) if sft.compute_dtype else None
+
+    def loss(model, input_tokens, loss_mask, positions, attention_mask):
+        return completion_loss(model, input_tokens, loss_mask, positions, attention_mask, sft.loss_chunk_size, dtype)
+
+    return loss
 
 
 @nnx.jit
@@ -146,8 +264,8 @@ def evaluate_loss(model, rows: pd.DataFrame, batch_size: int, mesh) -> dict:
 
     total, count = 0.0, 0.0
     with mesh:
-        for batch in eval_batches(rows, batch_size):
-            inputs = model_inputs(sharding_utils.shard_input(batch, ("fsdp",)))
+        for batch in eval_batches(rows, batch_size, process_rows(mesh, batch_size)):
+            inputs = model_inputs(sharding_utils.shard_input(batch, BATCH_AXES))
             s, c = _batch_nll(model, inputs)
             total, count = total + float(s), count + float(c)
     loss = total / max(count, 1.0)
@@ -155,37 +273,50 @@ def evaluate_loss(model, rows: pd.DataFrame, batch_size: int, mesh) -> dict:
 
 
 # ---------------------------------------------------------------- optimizer
-def make_optimizer(sft: SftParams) -> optax.GradientTransformation:
+def learning_rate_schedule(sft: SftParams) -> optax.Schedule:
+    warmup = optax.linear_schedule(0.0, sft.learning_rate, sft.warmup_steps)
+    rest = sft.max_steps - sft.warmup_steps
     if sft.schedule == "cosine":
-        lr = optax.warmup_cosine_decay_schedule(0.0, sft.learning_rate, sft.warmup_steps, sft.max_steps, 0.1 * sft.learning_rate)
+        after = optax.cosine_decay_schedule(sft.learning_rate, rest, alpha=0.1)
     elif sft.schedule == "linear":
-        lr = optax.join_schedules(
-            [optax.linear_schedule(0.0, sft.learning_rate, sft.warmup_steps),
-             optax.linear_schedule(sft.learning_rate, 0.0, sft.max_steps - sft.warmup_steps)],
-            [sft.warmup_steps],
-        )
+        after = optax.linear_schedule(sft.learning_rate, 0.0, rest)
     else:
-        lr = optax.linear_schedule(0.0, sft.learning_rate, sft.warmup_steps) if sft.warmup_steps else sft.learning_rate
+        after = optax.constant_schedule(sft.learning_rate)
+    return optax.join_schedules([warmup, after], [sft.warmup_steps]) if sft.warmup_steps else after
 
+
+def decay_mask(params):
+    """Weight decay on matrices only: not on norms, biases or other vectors."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(sft: SftParams) -> optax.GradientTransformation:
     def build(learning_rate):
         if sft.optimizer == "adamw":
-            core = optax.adamw(learning_rate, weight_decay=sft.weight_decay)
+            core = optax.adamw(learning_rate, weight_decay=sft.weight_decay, mask=decay_mask)
         else:
-            core = optax.adafactor(learning_rate, weight_decay_rate=sft.weight_decay or None)
+            core = optax.adafactor(learning_rate, weight_decay_rate=sft.weight_decay or None, weight_decay_mask=decay_mask)
         if sft.max_grad_norm is None:
             return core
         return optax.chain(optax.clip_by_global_norm(sft.max_grad_norm), core)
 
     # inject_hyperparams lets Tunix read and log the learning rate every step
-    return optax.inject_hyperparams(build)(learning_rate=lr)
+    return optax.inject_hyperparams(build)(learning_rate=learning_rate_schedule(sft))
 
 
-# ---------------------------------------------------------------- the run
-def _throughput_hooks(tokens_per_step: int):
+# ---------------------------------------------------------------- metrics
+def train_flops_per_token(model, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x parameters (forward + backward) + attention, as MaxText counts them."""
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    cfg = model.config
+    return 6.0 * params + 12.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+
+
+def _throughput_hooks(tokens_per_step: int, flops_per_step: float, peak_flops: float | None, devices: int):
     from tunix.sft import hooks
 
     class Throughput(hooks.TrainingHooks):
-        """Logs tokens/s between consecutive steps (padded tokens: the work the device does)."""
+        """Step time, tokens/s (padded: the work the devices do), MFU and device memory, per step."""
 
         def __init__(self):
             self.last = None
@@ -196,7 +327,15 @@ def _throughput_hooks(tokens_per_step: int):
         def on_train_step_end(self, trainer, train_step, train_loss):
             now = time.perf_counter()
             if self.last is not None:
-                trainer.metrics_logger.log("", "tokens_per_sec", tokens_per_step / (now - self.last), "train", train_step)
+                seconds = now - self.last
+                metrics = {"step_time": seconds, "tokens_per_sec": tokens_per_step / seconds}
+                if peak_flops:
+                    metrics["mfu"] = flops_per_step / seconds / (peak_flops * devices)
+                stats = jax.local_devices()[0].memory_stats() or {}
+                if "bytes_in_use" in stats:
+                    metrics["device_memory_gb"] = stats["bytes_in_use"] / 1e9
+                for name, value in metrics.items():
+                    trainer.metrics_logger.log("", name, value, "train", train_step)
             self.last = now
 
         def on_train_end(self, trainer): ...
@@ -207,6 +346,71 @@ def _throughput_hooks(tokens_per_step: int):
     return Throughput()
 
 
+# ---------------------------------------------------------------- checkpoints
+def _checkpoint_options(sft: SftParams):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManagerOptions(
+        # every N steps (and on a preemption notice), without Orbax's extra save at the first step;
+        # the trainer always saves the last step when it stops
+        save_decision_policy=ocp.checkpoint_managers.AnySavePolicy(
+            [
+                ocp.checkpoint_managers.FixedIntervalPolicy(sft.checkpoint_every),
+                ocp.checkpoint_managers.PreemptionCheckpointingPolicy(),
+            ]
+        ),
+        max_to_keep=sft.keep_checkpoints,
+        enable_async_checkpointing=True,
+    )
+
+
+def _set_aside(ckpt_dir: Path, step: int, err: Exception) -> None:
+    target = ckpt_dir / f"{step}.corrupt"
+    log.warning("checkpoint %s/%d cannot be restored (%s); moved to %s, resuming from the one before",
+                ckpt_dir, step, err, target)
+    if jax.process_index() == 0:
+        (ckpt_dir / str(step)).rename(target)
+    _sync(f"set_aside_{step}")
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _latest_step(ckpt_dir: Path) -> int | None:
+    steps = [int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit() and p.is_dir()]
+    return max(steps) if steps else None
+
+
+def _trainer(model, sft: SftParams, mesh, options, ckpt_dir: Path):
+    """A PeftTrainer restored from the latest good checkpoint (corrupt ones are set aside)."""
+    from tunix.sft import metrics_logger, peft_trainer
+
+    config = peft_trainer.TrainingConfig(
+        eval_every_n_steps=sft.eval_every or sft.max_steps + 1,
+        max_steps=sft.max_steps,
+        gradient_accumulation_steps=sft.gradient_accumulation_steps if sft.gradient_accumulation_steps > 1 else None,
+        checkpoint_root_directory=str(ckpt_dir),
+        checkpointing_options=_checkpoint_options(sft),
+        data_sharding_axis=BATCH_AXES,
+        pbar_description="sft",
+    )
+    while True:
+        try:
+            return peft_trainer.PeftTrainer(
+                model, make_optimizer(sft), config, metrics_logger=metrics_logger.MetricsLogger(options)
+            )
+        except Exception as err:  # Orbax raises many types for unreadable files
+            step = _latest_step(ckpt_dir)
+            if step is None:
+                raise
+            _set_aside(ckpt_dir, step, err)
+
+
+# ---------------------------------------------------------------- the run
 def train(
     model,
     train_rows: pd.DataFrame,
@@ -214,12 +418,13 @@ def train(
     sft: SftParams,
     mesh: jax.sharding.Mesh,
     metrics_backends: list | None = None,
+    peak_flops_per_device: float | None = None,
 ) -> dict:
     """Trains `model` in place; resumes from the latest checkpoint in `sft.checkpoint_dir`."""
-    import orbax.checkpoint as ocp
-    from tunix.sft import metrics_logger, peft_trainer
+    from tunix.sft import metrics_logger
 
     batch_size = global_batch_size(sft, mesh)
+    local = process_rows(mesh, batch_size)
     seq_len = len(train_rows["input_tokens"].iloc[0])
     ckpt_dir = Path(sft.checkpoint_dir).resolve()
     options = None
@@ -227,50 +432,52 @@ def train(
         options = metrics_logger.MetricsLoggerOptions(
             log_dir=str(ckpt_dir / "logs"), backend_kwargs={"custom_backend": metrics_backends}
         )
-    config = peft_trainer.TrainingConfig(
-        eval_every_n_steps=sft.eval_every or sft.max_steps + 1,
-        max_steps=sft.max_steps,
-        checkpoint_root_directory=str(ckpt_dir),
-        checkpointing_options=ocp.CheckpointManagerOptions(
-            # every N steps (and on a preemption notice), without Orbax's extra save at the first step;
-            # the trainer always saves the last step when it stops
-            save_decision_policy=ocp.checkpoint_managers.AnySavePolicy(
-                [
-                    ocp.checkpoint_managers.FixedIntervalPolicy(sft.checkpoint_every),
-                    ocp.checkpoint_managers.PreemptionCheckpointingPolicy(),
-                ]
-            ),
-            max_to_keep=sft.keep_checkpoints,
-        ),
-        data_sharding_axis=("fsdp",),
-        pbar_description="sft",
-    )
-    with mesh:
-        trainer = peft_trainer.PeftTrainer(
-            model, make_optimizer(sft), config, metrics_logger=metrics_logger.MetricsLogger(options)
+    feed = BatchFeed(train_rows, batch_size, sft.seed, local)
+    if sft.eval_every and len(eval_rows):
+        feed.with_eval(eval_batches(eval_rows, batch_size, local))
+    if sft.time_budget_hours:
+        feed.with_deadline(_process_start() + sft.time_budget_hours * 3600, save_seconds=_save_seconds_guess(model))
+    flops_per_step = batch_size * seq_len * train_flops_per_token(model, seq_len)
+
+    from tunix_pipeline.tracking import scalar_listeners_scope
+
+    with scalar_listeners_scope(), mesh:
+        trainer = _trainer(model, sft, mesh, options, ckpt_dir)
+        trainer.with_loss_fn(loss_fn_for(sft)).with_gen_model_input_fn(model_inputs)
+        trainer.with_training_hooks(
+            _throughput_hooks(batch_size * seq_len, flops_per_step, peak_flops_per_device, mesh.devices.size)
         )
-        trainer.with_loss_fn(completion_loss).with_gen_model_input_fn(model_inputs)
-        trainer.with_training_hooks(_throughput_hooks(batch_size * seq_len))
+        trainer.with_data_hooks(feed)
         start_step = trainer.train_steps
         history = _load_history(ckpt_dir, start_step)
+        _record_history_with_checkpoints(trainer, ckpt_dir, history, start_step)
         if start_step:
             log.info("resuming SFT from checkpoint step %d in %s", start_step, ckpt_dir)
-        eval_iter = eval_batches(eval_rows, batch_size) if sft.eval_every and len(eval_rows) else None
         started = time.perf_counter()
-        trainer.train(batches(train_rows, batch_size, sft.seed), list(eval_iter) if eval_iter else None)
+        with _stop_on_sigterm(feed):
+            trainer.train([], feed._eval or None)  # batches come from the data hook
         seconds = time.perf_counter() - started
         end_step = trainer.train_steps
 
-    new_losses = _history_of(trainer, "loss")
-    history += [{"step": start_step + i + 1, "loss": float(v)} for i, v in enumerate(new_losses)]
+    history = history + _new_losses(trainer, start_step)
     _save_history(ckpt_dir, history)
+    if feed.stop_reason == "SIGTERM":
+        raise TrainingInterrupted(
+            f"SIGTERM: saved a checkpoint at step {end_step} in {ckpt_dir}; "
+            "rerun the same command to resume from it"
+        )
+    if feed.stop_reason:
+        log.warning("stopped at step %d of %d to save within the %s h session budget; rerun to continue",
+                    end_step, sft.max_steps, sft.time_budget_hours)
     tokens_per_sec = _history_of(trainer, "tokens_per_sec")
     return {
         "checkpoint_dir": str(ckpt_dir),
         "latest_step": end_step,
         "resumed_from_step": start_step,
         "steps_this_run": end_step - start_step,
-        "global_batch_size": batch_size,
+        "stopped_early": feed.stop_reason,
+        "global_batch_size": batch_size * sft.gradient_accumulation_steps,
+        "micro_batch_size": batch_size,
         "sequence_length": seq_len,
         "first_loss": history[0]["loss"] if history else None,
         "last_loss": history[-1]["loss"] if history else None,
@@ -278,6 +485,61 @@ def train(
         "train_seconds": seconds,
         "median_tokens_per_sec": float(np.median(tokens_per_sec)) if len(tokens_per_sec) else None,
     }
+
+
+class _stop_on_sigterm:
+    """SIGTERM (how preemption arrives) ends the run at the next step, with a checkpoint."""
+
+    def __init__(self, feed: BatchFeed):
+        self.feed, self.previous = feed, None
+
+    def __enter__(self):
+        try:
+            self.previous = signal.signal(signal.SIGTERM, lambda *_: self.feed.stop("SIGTERM"))
+        except ValueError:  # not the main thread: leave signals alone
+            self.previous = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
+def _save_seconds_guess(model, bytes_per_second: float = 200e6) -> float:
+    """Until a save has been timed: the checkpointed state (weights or adapters, and Adam's two moments) at 200 MB/s."""
+    from tunix.sft import utils as sft_utils
+
+    saved = nnx.LoRAParam if sft_utils.is_lora_enabled(model) else nnx.Param
+    return 1.0 + 3 * sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, saved))) / bytes_per_second
+
+
+def _process_start() -> float:
+    import psutil
+
+    return psutil.Process().create_time()
+
+
+def _new_losses(trainer, start_step: int) -> list[dict]:
+    """This run's losses so far, with the step Tunix has not written yet (it writes each one a step late)."""
+    losses = list(_history_of(trainer, "loss"))
+    pending = getattr(trainer, "_prev_buffered_train_metrics", None)
+    if pending is not None:
+        losses.append(float(pending.loss))
+    return [{"step": start_step + i + 1, "loss": float(v)} for i, v in enumerate(losses)]
+
+
+def _record_history_with_checkpoints(trainer, ckpt_dir: Path, history: list[dict], start_step: int) -> None:
+    """Writes the loss history whenever a checkpoint is saved, so a killed run's curve survives with it."""
+    manager = trainer.checkpoint_manager
+    save = manager.save
+
+    def save_and_record(step, *args, **kwargs):
+        saved = save(step, *args, **kwargs)
+        if saved:
+            _save_history(ckpt_dir, history + _new_losses(trainer, start_step))
+        return saved
+
+    manager.save = save_and_record
 
 
 def _history_of(trainer, name: str) -> np.ndarray:

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from tunix_pipeline.models.families import family_for
+from tunix_pipeline.models.hub import atomic_folder
 from tunix_pipeline.models.lora import merge_lora
 from tunix_pipeline.models.loading import origin_of
 
@@ -44,10 +42,7 @@ def export_pretrained(
     state = family.to_hf_state(params, family.config_from_hf(hf_config), hf_config)
     dtype = str(next(iter(state.values())).dtype)
 
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_folder(out_dir) as tmp:
         split = split_state_dict_into_shards_factory(
             state,
             get_storage_size=lambda t: t.nbytes,
@@ -68,9 +63,4 @@ def export_pretrained(
         ).save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return Path(out_dir)

@@ -25,8 +25,15 @@ def tunix_config(folder: str | Path):
     return family, family.config_from_hf(hf)
 
 
-def load_model(folder: str | Path, mesh: jax.sharding.Mesh | None, dtype: str = "float32"):
-    """(Tunix model with the folder's weights, sharded over `mesh`, its Tunix config)."""
+REMAT = {"none": "NONE", "attention": "BLOCK", "decoder": "DECODER"}
+
+
+def load_model(folder: str | Path, mesh: jax.sharding.Mesh | None, dtype: str = "float32", remat: str = "none"):
+    """(Tunix model with the folder's weights, sharded over `mesh`, its Tunix config).
+
+    `remat`: none, attention (recompute each attention block) or decoder (each
+    whole layer) in the backward pass, Tunix's RematConfig.
+    """
     from tunix.models import safetensors_loader
 
     folder = Path(folder)
@@ -34,6 +41,8 @@ def load_model(folder: str | Path, mesh: jax.sharding.Mesh | None, dtype: str = 
     hf = read_hf_config(folder)
     family = family_for(hf)
     cfg = family.config_from_hf(hf)
+    if remat != "none":
+        cfg = dataclasses.replace(cfg, remat_config=type(cfg.remat_config)[REMAT[remat]])
     if mesh is not None:
         _check_divisible(cfg, mesh)
     model = safetensors_loader.load_and_create_model(

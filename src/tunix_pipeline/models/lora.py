@@ -35,14 +35,14 @@ def apply_lora(model, lora: LoraParams, mesh: jax.sharding.Mesh | None = None, s
     return adapted
 
 
-def load_run_model(folder, params, mesh: jax.sharding.Mesh | None, quantize: bool = True):
+def load_run_model(folder, params, mesh: jax.sharding.Mesh | None, quantize: bool = True, remat: str = "none"):
     """(model, Tunix config) as a run trains it: the base weights plus the configured adapters.
 
     `quantize=False` keeps a QLoRA run's base in full precision (to evaluate or export it).
     """
     from tunix_pipeline.models.loading import load_model
 
-    model, cfg = load_model(folder, mesh, params.dtype)
+    model, cfg = load_model(folder, mesh, params.dtype, remat)
     if params.lora is not None:
         lora = params.lora if quantize else params.lora.model_copy(update={"quantize": None})
         model = apply_lora(model, lora, mesh)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -12,6 +9,7 @@ import numpy as np
 
 from tunix_pipeline.config import TinyModelParams
 from tunix_pipeline.models.errors import ModelError
+from tunix_pipeline.models.hub import atomic_folder
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 
@@ -69,19 +67,11 @@ def build_tiny_gemma(out_dir: str | Path, corpus: Iterable[str], spec: TinyModel
     )
     weights = _random_gemma_weights(config, spec.seed)
 
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_folder(out_dir) as tmp:
         tokenizer.save_pretrained(tmp)
         config.save_pretrained(tmp)
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return Path(out_dir)
 
 
 def _random_gemma_weights(config, seed: int) -> dict[str, np.ndarray]:

@@ -80,17 +80,26 @@ def mlp_to_hf(params: dict, i: int) -> dict[str, np.ndarray]:
     return {h + f"{n}.weight": linear_to_hf(params[p + f"{n}.kernel"]) for n in ("gate_proj", "up_proj", "down_proj")}
 
 
-def to_hf_state(params: dict, cfg, hf: dict) -> dict[str, np.ndarray]:
-    state = {
-        "model.embed_tokens.weight": params["embedder.input_embedding"],
-        "model.norm.weight": params["final_norm.scale"],
-    }
-    for i in range(cfg.num_layers):
-        state.update(attention_to_hf(params, i, cfg))
-        state.update(mlp_to_hf(params, i))
-        state[f"model.layers.{i}.input_layernorm.weight"] = params[f"layers.{i}.pre_attention_norm.scale"]
-        state[f"model.layers.{i}.post_attention_layernorm.weight"] = params[f"layers.{i}.pre_ffw_norm.scale"]
-    return state
+def decoder_to_hf(norms: dict[str, str]):
+    """`to_hf_state` for a Gemma family whose layer norms are named `norms` (HF name -> Tunix name)."""
+
+    def to_hf_state(params: dict, cfg, hf: dict) -> dict[str, np.ndarray]:
+        state = {
+            "model.embed_tokens.weight": params["embedder.input_embedding"],
+            "model.norm.weight": params["final_norm.scale"],
+        }
+        for i in range(cfg.num_layers):
+            state.update(attention_to_hf(params, i, cfg))
+            state.update(mlp_to_hf(params, i))
+            for hf_name, name in norms.items():
+                state[f"model.layers.{i}.{hf_name}.weight"] = params[f"layers.{i}.{name}.scale"]
+        return state
+
+    return to_hf_state
+
+
+# Gemma 1's `post_attention_layernorm` is its pre-MLP norm
+to_hf_state = decoder_to_hf({"input_layernorm": "pre_attention_norm", "post_attention_layernorm": "pre_ffw_norm"})
 
 
 def _model_class():

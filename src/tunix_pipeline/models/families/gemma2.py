@@ -12,7 +12,7 @@ from tunix.models.gemma import model as gemma_lib
 
 from tunix_pipeline.models.families import register
 from tunix_pipeline.models.families.base import Family, require, rope_settings
-from tunix_pipeline.models.families.gemma import attention_to_hf, mlp_to_hf
+from tunix_pipeline.models.families.gemma import decoder_to_hf
 
 NAME = "gemma2"
 LAYER_TYPES = {"sliding_attention": gemma_lib.AttentionType.LOCAL_SLIDING, "full_attention": gemma_lib.AttentionType.GLOBAL}
@@ -184,17 +184,7 @@ NORMS = {  # HF name -> Tunix name
 }
 
 
-def to_hf_state(params: dict, cfg, hf: dict) -> dict[str, np.ndarray]:
-    state = {
-        "model.embed_tokens.weight": params["embedder.input_embedding"],
-        "model.norm.weight": params["final_norm.scale"],
-    }
-    for i in range(cfg.num_layers):
-        state.update(attention_to_hf(params, i, cfg))
-        state.update(mlp_to_hf(params, i))
-        for hf_name, name in NORMS.items():
-            state[f"model.layers.{i}.{hf_name}.weight"] = params[f"layers.{i}.{name}.scale"]
-    return state
+to_hf_state = decoder_to_hf(NORMS)
 
 
 GEMMA2 = register(

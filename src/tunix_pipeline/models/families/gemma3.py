@@ -13,7 +13,7 @@ from tunix.utils import compat
 
 from tunix_pipeline.models.families import register
 from tunix_pipeline.models.families.base import Family, require
-from tunix_pipeline.models.families.gemma import attention_to_hf, mlp_to_hf
+from tunix_pipeline.models.families.gemma import decoder_to_hf
 from tunix_pipeline.models.families.gemma2 import check_common, layer_types, setting
 
 NAME = "gemma3_text"
@@ -148,17 +148,7 @@ NORMS = {  # HF name -> Tunix name
 }
 
 
-def to_hf_state(params: dict, cfg, hf: dict) -> dict[str, np.ndarray]:
-    state = {
-        "model.embed_tokens.weight": params["embedder.input_embedding"],
-        "model.norm.weight": params["final_norm.scale"],
-    }
-    for i in range(cfg.num_layers):
-        state.update(attention_to_hf(params, i, cfg))
-        state.update(mlp_to_hf(params, i))
-        for hf_name, name in NORMS.items():
-            state[f"model.layers.{i}.{hf_name}.weight"] = params[f"layers.{i}.{name}.scale"]
-    return state
+to_hf_state = decoder_to_hf(NORMS)
 
 
 GEMMA3 = register(

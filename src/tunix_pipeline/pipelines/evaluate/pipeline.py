@@ -4,6 +4,7 @@ from .nodes import evaluate_models
 
 
 def create_pipeline(**kwargs) -> Pipeline:
+    """Base vs SFT model; the evaluation after GRPO belongs to the `grpo` pipeline."""
     return Pipeline(
         [
             Node(
@@ -17,7 +18,7 @@ def create_pipeline(**kwargs) -> Pipeline:
                     "params:evaluate",
                     "params:runtime",
                 ],
-                outputs=["eval_metrics", "eval_samples", "eval_report"],
+                outputs=["eval_metrics", "eval_samples", "eval_report", "loss_curve"],
                 name="evaluate_models",
             )
         ]

@@ -8,7 +8,7 @@ def create_pipeline(**kwargs) -> Pipeline:
         [
             Node(
                 export_model,
-                inputs=["base_model", "sft_result", "params:model", "params:export", "params:runtime"],
+                inputs=["base_model", "sft_result", "grpo_result", "params:model", "params:export", "params:runtime"],
                 outputs="exported_model",
                 name="export_model",
             )

@@ -4,7 +4,7 @@ import pandas as pd
 
 from tunix_pipeline.config import ModelParams, RuntimeParams, SftParams
 from tunix_pipeline.models import load_run_model, parameter_counts
-from tunix_pipeline.tracking import MlflowBackend
+from tunix_pipeline.tracking import MlflowBackend, remember_run
 from tunix_pipeline.training import make_mesh, train
 
 
@@ -17,9 +17,15 @@ def train_sft(
     runtime: RuntimeParams,
 ) -> dict:
     mesh = make_mesh(runtime)
-    network, _ = load_run_model(base_model["path"], model, mesh)
+    network, _ = load_run_model(base_model["path"], model, mesh, remat=sft.remat)
     live = mlflow.active_run() is not None and jax.process_index() == 0
-    result = train(network, train_tokens, eval_tokens, sft, mesh, [MlflowBackend] if live else None)
+    if live:
+        remember_run(sft.checkpoint_dir)
+    result = train(
+        network, train_tokens, eval_tokens, sft, mesh, [MlflowBackend] if live else None, runtime.peak_flops_per_device
+    )
+    if live:
+        MlflowBackend().fill_gaps("train/loss", result["loss_history"])
     return {
         **result,
         **parameter_counts(network),

@@ -1,16 +1,29 @@
 from kedro.pipeline import Node, Pipeline
 
+from tunix_pipeline.pipelines.plan.nodes import check_sft_fits
+
 from .nodes import train_sft
 
 
 def create_pipeline(**kwargs) -> Pipeline:
     return Pipeline(
         [
+            # the plan first (plan.enabled): a run that cannot fit stops here, before any weights
+            # are read; train_sft takes the base model through it, so it always runs after it
+            Node(
+                check_sft_fits,
+                inputs=[
+                    "base_model", "train_tokens", "params:model", "params:sft", "params:runtime",
+                    "params:tokenize", "params:plan",
+                ],
+                outputs=["planned_base_model", "sft_plan"],
+                name="check_sft_fits",
+            ),
             Node(
                 train_sft,
-                inputs=["train_tokens", "eval_tokens", "base_model", "params:model", "params:sft", "params:runtime"],
+                inputs=["train_tokens", "eval_tokens", "planned_base_model", "params:model", "params:sft", "params:runtime"],
                 outputs="sft_result",
                 name="train_sft",
-            )
+            ),
         ]
     )

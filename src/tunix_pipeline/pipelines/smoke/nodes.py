@@ -3,7 +3,9 @@ from pathlib import Path
 MAX_LOSS_RATIO = 0.6
 
 
-def check_smoke(sft_result: dict, eval_metrics: dict, exported_model: dict) -> dict:
+def check_smoke(
+    sft_result: dict, eval_metrics: dict, grpo_result: dict, grpo_eval_metrics: dict, exported_model: dict
+) -> dict:
     """The smoke run's pass criteria; raises (failing the run) when one is missed."""
     first, last = sft_result["first_loss"], sft_result["last_loss"]
     checkpoint = Path(sft_result["checkpoint_dir"]) / str(sft_result["latest_step"])
@@ -13,6 +15,13 @@ def check_smoke(sft_result: dict, eval_metrics: dict, exported_model: dict) -> d
         "tuned_model_evaluated": "eval_loss" in eval_metrics.get("tuned", {}),
         "exported": (Path(exported_model["path"]) / "config.json").is_file(),
     }
+    grpo_ran = bool(grpo_result.get("enabled"))
+    if grpo_ran:  # a few GRPO steps: rewards and KL logged, a checkpoint, and the policy evaluated
+        history = grpo_result.get("history") or []
+        checks["grpo_checkpoint_written"] = (Path(grpo_result["checkpoint_dir"]) / str(grpo_result["latest_step"])).is_dir()
+        checks["grpo_rewards_logged"] = bool(history) and all(h.get("reward") is not None for h in history)
+        checks["grpo_model_evaluated"] = "eval_loss" in grpo_eval_metrics.get("grpo", {})
+        checks["grpo_model_exported"] = exported_model.get("stage") == "grpo"
     report = {
         "passed": all(checks.values()),
         "checks": checks,
@@ -20,6 +29,9 @@ def check_smoke(sft_result: dict, eval_metrics: dict, exported_model: dict) -> d
         "last_loss": last,
         "loss_ratio": last / first if first else None,
         "checkpoint": str(checkpoint),
+        "grpo_ran": grpo_ran,
+        "grpo_first_reward": grpo_result.get("first_reward"),
+        "grpo_last_reward": grpo_result.get("last_reward"),
         "exported_model": exported_model["path"],
     }
     if not report["passed"]:

@@ -1,0 +1,307 @@
+"""GRPO polish with Tunix's `RLCluster` + `GRPOLearner` (vanilla rollout), from the SFT checkpoint.
+
+What we add around Tunix, through its own seams:
+- prompts that fit `max_prompt_length` (longer ones are skipped and counted), fed in
+  seeded, reproducible batches as numpy arrays (a Python list would be split by
+  Tunix's `jax.tree.map`), so a resumed run continues with the same data;
+- weighted, pluggable rewards (`rewards.RewardSet`) and their per-step mean and
+  spread as metrics; everything Tunix logs reaches MLflow through our metrics backend;
+- a frozen reference copy of the SFT policy for the KL term (none when beta is 0);
+  it shares the actor's arrays until the actor changes them, so with LoRA the
+  base weights are held once;
+- a new sampling seed per step (Tunix's rollout otherwise reuses one key every step);
+- checkpoints every `checkpoint_every` steps and at the last step (with Tunix's
+  step metadata), resumed automatically, and a reward/KL history kept beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pandas as pd
+
+from tunix_pipeline import tracking
+from tunix_pipeline.config import GrpoParams
+from tunix_pipeline.rewards import RewardSet
+
+log = logging.getLogger(__name__)
+HISTORY_FILE = "grpo_history.json"
+# dataset columns passed to every reward as keyword arguments (besides prompts/completions)
+REWARD_COLUMNS = {"answer": "answer", "id": "id", "source": "source", "reference": "completion"}
+
+
+class GrpoError(ValueError):
+    """A GRPO set-up that cannot run (no prompts fit, batch does not divide the mesh, ...)."""
+
+
+# ---------------------------------------------------------------- data
+def fitting_prompts(formatted: pd.DataFrame, tokenizer, max_prompt_length: int) -> tuple[pd.DataFrame, int]:
+    """(rows whose prompt fits `max_prompt_length` tokens, how many were skipped)."""
+    from tunix_pipeline.evaluation import prompt_lengths
+
+    if not len(formatted):
+        return formatted, 0
+    lengths = np.asarray(prompt_lengths(tokenizer, formatted["prompt"].tolist()))
+    fits = lengths <= max_prompt_length
+    skipped = int((~fits).sum())
+    if skipped:
+        log.warning("grpo: %d of %d prompts are longer than grpo.max_prompt_length=%d tokens; skipped",
+                    skipped, len(formatted), max_prompt_length)
+    return formatted[fits].reset_index(drop=True), skipped
+
+
+class PromptFeed:
+    """Seeded epochs of full prompt batches; batch `i` is the same in every run (resume replays the order).
+
+    Each batch also moves the rollout's sampling seed on, so steps draw fresh samples.
+    """
+
+    def __init__(self, rows: pd.DataFrame, batch_size: int, seed: int, rollout_config=None):
+        if len(rows) < batch_size:
+            raise GrpoError(f"{len(rows)} prompts cannot fill one GRPO batch of {batch_size}; lower `grpo.batch_size`")
+        self.columns = {"prompts": rows["prompt"].astype(str).to_numpy()}
+        for key, column in REWARD_COLUMNS.items():
+            if column in rows:
+                self.columns[key] = rows[column].astype(str).to_numpy()
+        self.batch_size, self.seed, self.rollout_config = batch_size, seed, rollout_config
+
+    def __iter__(self):
+        n = len(self.columns["prompts"])
+        rng = np.random.default_rng(self.seed)
+        step = 0
+        while True:
+            order = rng.permutation(n)
+            for start in range(0, n - self.batch_size + 1, self.batch_size):
+                idx = order[start : start + self.batch_size]
+                if self.rollout_config is not None:
+                    self.rollout_config.seed = self.seed * 1_000_003 + step
+                step += 1
+                yield {k: v[idx] for k, v in self.columns.items()}
+
+
+# ---------------------------------------------------------------- Tunix pieces
+def make_optimizer(params: GrpoParams) -> optax.GradientTransformation:
+    lr = optax.warmup_cosine_decay_schedule(
+        0.0, params.learning_rate, params.warmup_steps, params.max_steps, 0.1 * params.learning_rate
+    ) if params.warmup_steps else params.learning_rate
+    core = optax.adamw(lr, weight_decay=params.weight_decay)
+    return optax.chain(optax.clip_by_global_norm(params.max_grad_norm), core) if params.max_grad_norm else core
+
+
+def algorithm(params: GrpoParams):
+    """(Tunix algorithm config, learner class) for `grpo.loss_variant`."""
+    from tunix.rl.grpo import dapo_learner, drgrpo_learner, grpo_learner
+
+    common = dict(num_generations=params.num_generations, num_iterations=params.num_iterations, epsilon=params.epsilon)
+    if params.loss_variant == "grpo":
+        return grpo_learner.GRPOConfig(beta=params.beta, **common), grpo_learner.GRPOLearner
+    if params.loss_variant == "dr-grpo":
+        return drgrpo_learner.DrGRPOConfig(beta=params.beta, **common), drgrpo_learner.DrGRPOLearner
+    # DAPO: no KL (beta None), and its overlong shaping counts characters against a 16k budget,
+    # so it is off; use the `length_penalty` reward instead.
+    config = dapo_learner.DAPOConfig(
+        epsilon_high=params.epsilon_high if params.epsilon_high is not None else 0.28, overlong_buffer=None, **common
+    )
+    # Tunix 0.1.7 computes reference log-probs whenever `beta != 0.0`, which is true for DAPO's None:
+    # 0.0 skips that pass (and the reference model) and means the same to the loss.
+    config.beta = 0.0
+    return config, dapo_learner.DAPOLearner
+
+
+def frozen_copy(model):
+    """A second model with the same weights that later updates of `model` do not touch (arrays shared)."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+
+
+def _checkpoint_options(params: GrpoParams):
+    import orbax.checkpoint as ocp
+
+    policies = ocp.checkpoint_managers
+    return ocp.CheckpointManagerOptions(
+        # every N steps, on preemption, and at the last step — saved inside the loop so Tunix stores
+        # its step metadata (its own save at close has none); no extra save at step 1
+        save_decision_policy=policies.AnySavePolicy(
+            [
+                policies.FixedIntervalPolicy(params.checkpoint_every),
+                policies.SpecificStepsPolicy([params.max_steps]),
+                policies.PreemptionCheckpointingPolicy(),
+            ]
+        ),
+        max_to_keep=params.keep_checkpoints,
+    )
+
+
+def _history_of(logger, prefix: str, name: str) -> np.ndarray:
+    from tunix.sft import metrics_logger
+
+    for mode in ("train", metrics_logger.Mode.TRAIN):
+        if logger.metric_exists(prefix, name, mode):
+            return np.asarray(logger.get_metric_history(prefix, name, mode), dtype=np.float64).ravel()
+    return np.array([])
+
+
+def _load_history(root: Path, upto_step: int) -> list[dict]:
+    path = root / HISTORY_FILE
+    if not upto_step or not path.is_file():
+        return []
+    return [h for h in json.loads(path.read_text()) if h["step"] <= upto_step]
+
+
+def _save_history(root: Path, history: list[dict]) -> None:
+    if jax.process_index() != 0:
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / (HISTORY_FILE + ".tmp")
+    tmp.write_text(json.dumps(history))
+    tmp.replace(root / HISTORY_FILE)
+
+
+# ---------------------------------------------------------------- the run
+def train_grpo(
+    model,
+    tokenizer,
+    train_formatted: pd.DataFrame,
+    params: GrpoParams,
+    mesh: jax.sharding.Mesh,
+    metrics_backends: list | None = None,
+) -> dict:
+    """GRPO on `model` in place (full weights, or its LoRA adapters); resumes from `params.checkpoint_dir`."""
+    from tunix.rl import rl_cluster as rl_cluster_lib
+    from tunix.rl.rollout import base_rollout
+    from tunix.sft import metrics_logger
+
+    from tunix_pipeline.evaluation import end_tokens
+    from tunix_pipeline.training import BATCH_AXES, data_parallel_size
+
+    sequences = params.batch_size * params.num_generations
+    if sequences % data_parallel_size(mesh):
+        raise GrpoError(
+            f"grpo.batch_size x grpo.num_generations = {sequences} completions per step must divide over the "
+            f"{data_parallel_size(mesh)} data-parallel devices of the mesh {dict(mesh.shape)}"
+        )
+    rewards = RewardSet(params.rewards)
+    rows, too_long = fitting_prompts(train_formatted, tokenizer, params.max_prompt_length)
+    if not len(rows):
+        raise GrpoError(
+            f"no training prompt fits grpo.max_prompt_length={params.max_prompt_length} tokens; raise it"
+        )
+
+    root = Path(params.checkpoint_dir).resolve()
+    options = None
+    if metrics_backends:
+        options = metrics_logger.MetricsLoggerOptions(
+            log_dir=str(root / "logs"), backend_kwargs={"custom_backend": metrics_backends}
+        )
+    rollout = base_rollout.RolloutConfig(
+        max_tokens_to_generate=params.max_completion_length,
+        max_prompt_length=params.max_prompt_length,
+        kv_cache_size=params.max_prompt_length + params.max_completion_length,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        eos_tokens=end_tokens(tokenizer),
+    )
+    algo_config, learner_cls = algorithm(params)
+    roles = rl_cluster_lib.Role
+    cluster_config = rl_cluster_lib.ClusterConfig(
+        role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},
+        rollout_engine="vanilla",
+        offload_to_cpu=False,
+        training_config=rl_cluster_lib.RLTrainingConfig(
+            actor_optimizer=make_optimizer(params),
+            eval_every_n_steps=params.max_steps + 1,
+            max_steps=params.max_steps,
+            checkpoint_root_directory=str(root),
+            checkpointing_options=_checkpoint_options(params),
+            metrics_logging_options=options,
+            data_sharding_axis=BATCH_AXES,
+            pbar_description="grpo",
+        ),
+        rollout_config=rollout,
+    )
+    # the reference is the SFT policy as it is now, before any GRPO checkpoint is restored into the actor
+    reference = frozen_copy(model) if algo_config.beta else None
+
+    # `with mesh:` and not `jax.set_mesh`: under the latter Tunix's optimizer sharding step fails
+    with tracking.scalar_listeners_scope(), mesh:
+        cluster = rl_cluster_lib.RLCluster(
+            actor=model, reference=reference, tokenizer=tokenizer, cluster_config=cluster_config
+        )
+        start_step = cluster.actor_trainer.train_steps
+        history = _load_history(root, start_step)
+        started = time.perf_counter()
+        if start_step >= params.max_steps:
+            log.info("grpo: checkpoint step %d already reaches grpo.max_steps=%d; nothing to train",
+                     start_step, params.max_steps)
+            cluster.close()
+        else:
+            if start_step:
+                log.info("resuming GRPO from checkpoint step %d in %s", start_step, root / "actor")
+            learner = learner_cls(
+                rl_cluster=cluster,
+                algo_config=algo_config,
+                reward_fns=rewards.tunix_reward_fns(),
+                metric_fns=[rewards.metric_fn],
+            )
+            learner.train(PromptFeed(rows, params.batch_size, params.seed, rollout))
+        seconds = time.perf_counter() - started
+        end_step = cluster.actor_trainer.train_steps
+
+    history += _new_history(cluster.actor_trainer.metrics_logger, rewards, start_step, end_step, params)
+    _save_history(root, history)
+    first, last = (history[0], history[-1]) if history else ({}, {})
+    return {
+        "enabled": True,
+        "checkpoint_dir": str(root / "actor"),
+        "latest_step": end_step,
+        "resumed_from_step": start_step,
+        "steps_this_run": end_step - start_step,
+        "loss_variant": params.loss_variant,
+        "beta": params.beta,
+        "reference_model": reference is not None,
+        "rewards": dict(rewards.weights),
+        "prompts": len(rows),
+        "prompts_too_long": too_long,
+        "completions_per_step": sequences,
+        "first_reward": first.get("reward"),
+        "last_reward": last.get("reward"),
+        "history": history,
+        "train_seconds": seconds,
+    }
+
+
+def _new_history(logger, rewards: RewardSet, start_step: int, end_step: int, params: GrpoParams) -> list[dict]:
+    """One entry per rollout batch of this run: total reward, each reward's mean, KL, completion length.
+
+    `step` is the actor's optimizer step after that batch (`num_iterations` updates per batch).
+    """
+    if end_step <= start_step:
+        return []
+    series = {
+        "reward": _history_of(logger, "reward", "total/mean"),
+        "reward_std": _history_of(logger, "reward", "total/std"),
+        "completion_length": _history_of(logger, "completions", "mean_length"),
+        **{f"reward/{n}": _history_of(logger, "reward", f"{n}/mean") for n in rewards.names},
+    }
+    batches = len(series["reward"])
+    kl = _history_of(logger, "actor", "kl") if params.beta else np.array([])
+    if params.num_iterations > 1 and len(kl) == batches * params.num_iterations:
+        kl = kl.reshape(batches, params.num_iterations).mean(axis=1)
+    series["kl"] = kl
+    history = []
+    for i in range(batches):
+        entry = {"step": min(start_step + (i + 1) * params.num_iterations, end_step)}
+        for key, values in series.items():
+            entry[key] = float(values[i]) if i < len(values) else None
+        history.append(entry)
+    return history

@@ -1,0 +1,45 @@
+import jax
+import mlflow
+import pandas as pd
+
+from tunix_pipeline.config import GrpoParams, ModelParams, RuntimeParams
+from tunix_pipeline.grpo import train_grpo
+from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
+from tunix_pipeline.rewards import RewardSet
+from tunix_pipeline.tracking import MlflowBackend
+from tunix_pipeline.training import make_mesh, restore_latest
+
+
+def run_grpo(
+    train_formatted: pd.DataFrame,
+    base_model: dict,
+    sft_result: dict,
+    model: ModelParams,
+    grpo: GrpoParams,
+    runtime: RuntimeParams,
+) -> dict:
+    """GRPO from the latest SFT checkpoint; with `grpo.enabled: false` the SFT checkpoint passes through.
+
+    Either way `checkpoint_dir` is the policy the later stages use, and `sft_step`
+    records which SFT checkpoint it comes from.
+    """
+    sft = {"sft_checkpoint_dir": sft_result["checkpoint_dir"], "sft_step": sft_result["latest_step"]}
+    if not grpo.enabled:
+        return {"enabled": False, "checkpoint_dir": sft_result["checkpoint_dir"], "latest_step": sft_result["latest_step"], **sft}
+    RewardSet(grpo.rewards)  # an unknown reward or unimportable module fails now, before the model loads
+    mesh = make_mesh(runtime)
+    tokenizer = load_tokenizer(base_model["path"])
+    network, _ = load_run_model(base_model["path"], model, mesh)
+    step = restore_latest(network, sft_result["checkpoint_dir"])
+    if step == 0:
+        raise ValueError(f"grpo: no SFT checkpoint in {sft_result['checkpoint_dir']}; run the `sft` pipeline first")
+    live = mlflow.active_run() is not None and jax.process_index() == 0
+    result = train_grpo(network, tokenizer, train_formatted, grpo, mesh, [MlflowBackend] if live else None)
+    return {
+        **result,
+        "sft_checkpoint_dir": sft_result["checkpoint_dir"],
+        "sft_step": step,
+        **parameter_counts(network),
+        "lora": model.lora is not None,
+        "mesh": dict(mesh.shape),
+    }

@@ -1,0 +1,16 @@
+from kedro.pipeline import Node, Pipeline
+
+from .nodes import plan_training
+
+
+def create_pipeline(**kwargs) -> Pipeline:
+    return Pipeline(
+        [
+            Node(
+                plan_training,
+                inputs=["params:model", "params:sft", "params:runtime", "params:tokenize", "params:plan"],
+                outputs=["plan_summary", "plan_report"],
+                name="plan_training",
+            )
+        ]
+    )

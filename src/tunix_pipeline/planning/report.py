@@ -1,0 +1,119 @@
+"""The plan as Markdown: what is printed, written to plan.md and logged to MLflow."""
+
+from __future__ import annotations
+
+from tunix_pipeline.planning.memory import GIB
+from tunix_pipeline.planning.plan import Plan, Row, size
+
+
+def _money(x: float | None) -> str:
+    return "-" if x is None else f"${x:,.2f}"
+
+
+def _hours(h: float) -> str:
+    return f"{h * 60:.0f} min" if h < 1 else f"{h:,.1f} h"
+
+
+def _row(r: Row, selected: str, recommended: str | None) -> str:
+    s = r.setup
+    mark = " **(this run)**" if r.profile == selected else ""
+    mark += " **(recommended)**" if r.profile == recommended else ""
+    fits = f"{r.memory_fraction:.0%}" if r.fits else f"**no** ({r.memory_fraction:.0%})"
+    sessions = "-" if r.steps_per_session is None else (str(r.sessions) if r.sessions else "never")
+    if r.weeks and r.weeks > 1:
+        sessions += f" ({r.weeks} weeks)"
+    return (
+        f"| {r.profile}{mark} | {r.hw.devices} x {r.hw.memory_gib:.3g} | {s.data}x{s.fsdp}x{s.tp} | "
+        f"{s.per_device_batch} x{s.grad_accum} | {size(r.memory.peak)} | {fits} | {r.step_seconds:.3g} | "
+        f"{r.samples_per_hour:,.0f} | {sessions} | {_hours(r.hours)} | {_money(r.cost)} | {_money(r.preemptible_cost)} | "
+        f"{'; '.join(r.notes)} |"
+    )
+
+
+def markdown(plan: Plan) -> str:
+    j, s = plan.job, plan.selected
+    m = s.memory
+    status = {"ok": "fits", "risky": "fits, with warnings", "over": "**does not fit**"}[plan.status]
+    lines = [
+        "# Plan",
+        "",
+        f"**{j.arch.name}** ({j.arch.model_type}, {j.arch.params / 1e6:,.1f}M parameters, "
+        f"{m.trainable_params / 1e6:,.2f}M trained), {j.mode} fine-tuning in {j.param_dtype}"
+        + (f" (compute {j.compute_dtype})" if j.compute_dtype else "")
+        + f", {j.optimizer}, sequences of {j.seq_len} tokens, global batch {j.global_batch}, "
+        f"{j.max_steps:,} steps ({j.samples:,} samples"
+        + (f", {j.samples / j.train_rows:.1f} epochs" if j.train_rows else "")
+        + f"), remat {j.remat}" + (f", loss chunks of {j.loss_chunk}" if j.loss_chunk else "") + ".",
+        "",
+        f"On **{s.profile}** ({s.hw.devices} x {s.hw.memory_gib:.3g} GiB, mesh data x fsdp x tp = "
+        f"{s.setup.data}x{s.setup.fsdp}x{s.setup.tp}): {status} — {size(m.peak)} per device of "
+        f"{size(s.usable_bytes)} usable; {_hours(s.hours)}, {_money(s.cost)}.",
+        "",
+        "| per device | estimate |",
+        "|---|---:|",
+        f"| parameters (a trained weight twice: input and update) | {size(m.params)} |",
+        f"| gradients | {size(m.grads)} |",
+        f"| optimizer state | {size(m.optimizer)} |",
+        f"| activations kept for the backward pass | {size(m.activations)} |",
+        f"| logits and output head | {size(m.logits)} |",
+        f"| **peak** (the gradients overlap the activations) | **{size(m.peak)}** |",
+        "",
+    ]
+    if plan.recommended:
+        r = plan.recommended
+        lines.append(
+            f"**Recommended:** {r.profile} — the cheapest that fits and finishes within the budget: "
+            f"{_hours(r.hours)}, {_money(r.cost)}"
+            + (f" ({_money(r.preemptible_cost)} preemptible)" if r.preemptible_cost is not None else "")
+            + (f", {r.sessions} session(s)" if r.steps_per_session is not None else "")
+            + "."
+        )
+    else:
+        lines.append("**Recommended:** none of the profiles fits this run within the budget.")
+    lines.append("")
+    if plan.warnings:
+        lines += ["**Warnings:**", ""] + [f"- {w}" for w in plan.warnings] + [""]
+    if plan.advice:
+        lines += ["**It would fit with any of:**", ""] + [f"- {a}" for a in plan.advice] + [""]
+    if plan.xla:
+        lines += xla_section(plan.xla) + [""]
+    lines += [
+        "## Every hardware profile",
+        "",
+        "| hardware | devices x GiB | mesh | batch/device x accum | memory/device | fits (of usable) | step s | "
+        "samples/h | sessions | time | cost | preemptible | notes |",
+        "|---|---|---|---|---:|---|---:|---:|---|---:|---:|---:|---|",
+    ]
+    lines += [_row(r, s.profile, plan.recommended.profile if plan.recommended else None) for r in plan.rows]
+    a = plan.assumptions
+    lines += [
+        "",
+        f"Assumptions: MFU {a.get('mfu')} (a profile's own wins), {a.get('usable_memory_fraction'):.0%} of memory usable, "
+        f"{a.get('checkpoint_seconds', 0):.0f} s per checkpoint, {a.get('session_setup_minutes'):g} min set-up per session. "
+        "Time = steps x FLOPs per step / (devices x peak x MFU) + checkpoints + set-up; cost = time x hourly price.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def xla_section(x: dict) -> list[str]:
+    lines = ["## Checked against XLA", ""]
+    if x.get("error"):
+        return lines + [f"Not checked: {x['error']}"]
+    lines += [
+        f"The same train step compiled ahead of time ({x['method']}; abstract shapes, no weights) "
+        f"on a fake {x['platform'].upper()} mesh {x['mesh']}, {x['dtype']}"
+        + (f" ({x['dtype_note']})" if x.get("dtype_note") else "")
+        + f", in {x['seconds']:.0f} s, beside the estimate for that program:",
+        "",
+        "| per device | estimate | XLA memory_analysis() | difference |",
+        "|---|---:|---:|---:|",
+        f"| peak | {size(x['estimate_gib'] * GIB)} | {size(x['xla_gib'] * GIB)} | {x['difference']:+.1%} |",
+    ]
+    if x.get("target", "cpu") != "cpu":
+        lines += [
+            "",
+            "XLA:CPU keeps more than XLA:TPU/GPU (fewer fusions, float32 matmuls), so this program needs more "
+            "memory than the accelerator run above; the estimate has coefficients fitted to each compiler.",
+        ]
+    return lines

@@ -1,0 +1,284 @@
+"""XLA's own figure: the SFT train step compiled ahead of time on a fake mesh, no weights.
+
+The step is Tunix's `PeftTrainer` step built from the project's pieces
+(`completion_loss`, `model_inputs`, `make_optimizer`, `make_mesh`): the model
+and optimizer are abstract (`nnx.eval_shape`), sharded as Tunix shards them,
+the optimizer state is donated and the model is not (as in Tunix), and the
+program is lowered and compiled for a CPU mesh of the planned shape, whose
+`memory_analysis()` gives the bytes per device.
+
+Tunix skips its activation sharding constraints on the CPU (`shard()` returns
+its input there); they are switched on while tracing so the CPU program is
+partitioned like the accelerator's. The CPU has no bf16 matmul (XLA computes bf16
+models' matmuls in float32 there, keeping a mixture of both), so
+`planning.check_against_xla` checks a bf16 run as the same step in float32.
+
+Deep models are compiled at one and two layer periods and extrapolated
+linearly (every layer adds the same buffers), which is much faster than
+compiling every layer and agrees with it within a few percent.
+
+Run as `python -m tunix_pipeline.planning.xla` (a JSON request on stdin, the
+result on stdout) when this process lacks the fake devices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+from tunix_pipeline.planning.architecture import Architecture, PlanError, from_hf_config
+from tunix_pipeline.planning.memory import TrainSetup
+
+SHARD_MODULES = (
+    "tunix.models.gemma.model",
+    "tunix.models.gemma3.model",
+    "tunix.models.llama3.model",
+    "tunix.models.qwen2.model",
+    "tunix.models.qwen3.model",
+)
+
+
+@contextlib.contextmanager
+def accelerator_sharding():
+    """Tunix's `shard(x, spec)` applies its sharding constraint on the CPU too, while this is active."""
+    import importlib
+
+    import jax
+    from jax.interpreters import pxla
+
+    def shard(x, spec):
+        mesh = pxla.thread_resources.env.physical_mesh
+        if mesh.empty:
+            return x
+        return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+
+    patched = []
+    for name in SHARD_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "shard"):
+            patched.append((module, module.shard))
+            module.shard = shard
+    try:
+        yield
+    finally:
+        for module, original in patched:
+            module.shard = original
+
+
+def _with_layers(arch: Architecture, layers: int) -> dict:
+    hf = dict(arch.hf_config)
+    hf["num_hidden_layers"] = layers
+    if isinstance(hf.get("layer_types"), list):
+        hf["layer_types"] = hf["layer_types"][:layers]
+    return hf
+
+
+def _tunix_config(arch: Architecture, layers: int, remat: str):
+    from tunix_pipeline.models.families import family_for
+    from tunix_pipeline.models.loading import REMAT
+
+    hf = _with_layers(arch, layers)
+    family = family_for(hf)
+    cfg = family.config_from_hf(hf)
+    if remat != "none":
+        cfg = dataclasses.replace(cfg, remat_config=type(cfg.remat_config)[REMAT[remat]])
+    return family, cfg
+
+
+def sft_params(setup: TrainSetup):
+    """The SftParams whose train step `setup` describes (what the loss and optimizer are built from)."""
+    from tunix_pipeline.config import SftParams
+
+    return SftParams(
+        max_steps=1000,
+        per_device_batch_size=setup.per_device_batch,
+        gradient_accumulation_steps=setup.grad_accum,
+        optimizer=setup.optimizer,
+        learning_rate=1e-4,
+        compute_dtype=setup.compute_dtype if setup.compute_dtype != setup.param_dtype else None,
+        remat=setup.remat,
+        loss_chunk_size=setup.loss_chunk,
+        checkpoint_every=1000,
+    )
+
+
+def compile_step(arch: Architecture, setup: TrainSetup, layers: int | None = None, lora=None, devices=None) -> dict:
+    """memory_analysis() of the compiled train step, bytes per device."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    from tunix_pipeline.config import RuntimeParams
+    from tunix_pipeline.tokenization import TOKEN_COLUMNS
+    from tunix_pipeline.training import BATCH_AXES, loss_fn_for, make_mesh, make_optimizer, model_inputs
+
+    layers = layers or arch.num_layers
+    family, cfg = _tunix_config(arch, layers, setup.remat)
+    devices = devices if devices is not None else jax.devices()[: setup.devices]
+    if len(devices) < setup.devices:
+        raise PlanError(f"the XLA check needs {setup.devices} devices; JAX sees {len(devices)}")
+    mesh = make_mesh(RuntimeParams(mesh=setup.mesh), list(devices)[: setup.devices])
+    sft = sft_params(setup)
+    tx = make_optimizer(sft)
+    if setup.grad_accum > 1:
+        tx = optax.MultiSteps(tx, setup.grad_accum)  # as PeftTrainer wraps it
+    loss_fn = loss_fn_for(sft)
+    dtype = jnp.dtype(setup.param_dtype)
+    lora_on = setup.mode != "full"
+    wrt = nnx.LoRAParam if lora_on else nnx.Param
+
+    def build():
+        model = family.model_class(cfg, rngs=nnx.Rngs(0))
+        state = nnx.state(model, nnx.Param)
+        nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), state))
+        if lora_on:
+            from tunix_pipeline.models.lora import apply_lora
+
+            model = apply_lora(model, lora)
+            if setup.mode == "qlora":  # qwix's quantized LoRA draws from these in the forward pass
+                model.set_attributes(qwix_rngs=nnx.Rngs(0), raise_if_not_found=False)
+                model(**model.get_model_input())  # and creates some adapters on the first call
+        return model, nnx.Optimizer(model, tx, wrt=wrt)
+
+    started = time.perf_counter()
+    model, optimizer = nnx.eval_shape(build)  # shardings come from the metadata below
+    graph, trained, frozen = nnx.split(model, wrt, ...)
+    opt_graph, opt_state = nnx.split(optimizer)
+
+    def abstract(state):
+        def divides(spec, shape):
+            for axes, dim in zip(spec, shape):
+                names = (axes,) if isinstance(axes, str) else (axes or ())
+                if dim % max(1, int(np.prod([mesh.shape[a] for a in names]))):
+                    return False
+            return len(spec) <= len(shape)
+
+        def leaf(x, spec):
+            if not isinstance(spec, jax.sharding.PartitionSpec) or not divides(spec, x.shape):
+                spec = jax.sharding.PartitionSpec()  # e.g. Adafactor's factored moments: replicated
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+
+        specs = nnx.get_partition_spec(state)
+        return jax.tree.map(leaf, state, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*BATCH_AXES))
+    global_batch = setup.per_device_batch * setup.data * setup.fsdp
+    batch = {
+        k: jax.ShapeDtypeStruct((global_batch, setup.seq_len), jnp.int32, sharding=rows)
+        for k in TOKEN_COLUMNS[1:]
+    }
+
+    def train_step(trained, frozen, opt_state, batch):  # Tunix's PeftTrainer._train_step
+        model = nnx.merge(graph, trained, frozen)
+        optimizer = nnx.merge(opt_graph, opt_state)
+        inputs = model_inputs(batch)
+        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt))(model, **inputs)
+        grad_norm = optax.global_norm(grads)
+        optimizer.update(model, grads)
+        return loss, grad_norm, nnx.state(model, wrt), nnx.state(optimizer)
+
+    with accelerator_sharding(), mesh:
+        lowered = jax.jit(train_step, donate_argnums=(2,)).lower(abstract(trained), abstract(frozen), abstract(opt_state), batch)
+        # buffers are assigned before LLVM runs: skipping its optimisations changes no figure, only the wait
+        fast = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+        compiled = lowered.compile(compiler_options=fast if devices[0].platform == "cpu" else None)
+    ma = compiled.memory_analysis()
+    out = {
+        "argument": ma.argument_size_in_bytes,
+        "output": ma.output_size_in_bytes,
+        "alias": ma.alias_size_in_bytes,
+        "temp": ma.temp_size_in_bytes,
+        "layers": layers,
+        "seconds": time.perf_counter() - started,
+        "platform": devices[0].platform,
+    }
+    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
+
+
+def xla_peak(arch: Architecture, setup: TrainSetup, max_layers: int | None = 4, lora=None, devices=None) -> dict:
+    """XLA's peak bytes per device for the whole model (extrapolated from 1 and 2 layer periods when deep)."""
+    period = max(arch.layer_period, 1)
+    if max_layers is None or arch.num_layers <= max(max_layers, 2 * period):
+        full = compile_step(arch, setup, None, lora, devices)
+        return {**full, "method": f"compiled all {arch.num_layers} layers"}
+    a = compile_step(arch, setup, period, lora, devices)
+    b = compile_step(arch, setup, 2 * period, lora, devices)
+    per_period = b["peak"] - a["peak"]
+    periods = arch.num_layers / period
+    peak = a["peak"] + (periods - 1) * per_period
+    return {
+        "peak": peak,
+        "per_layer": per_period / period,
+        "seconds": a["seconds"] + b["seconds"],
+        "platform": a["platform"],
+        "method": f"compiled {period} and {2 * period} layers, extrapolated to {arch.num_layers}",
+    }
+
+
+# ---------------------------------------------------------------- out of process
+def request(arch: Architecture, setup: TrainSetup, max_layers: int | None, lora=None) -> dict:
+    return {
+        "hf_config": arch.hf_config,
+        "name": arch.name,
+        "setup": dataclasses.asdict(setup),
+        "max_layers": max_layers,
+        "lora": lora.model_dump() if lora is not None else None,
+    }
+
+
+def run_request(req: dict) -> dict:
+    from tunix_pipeline.config import LoraParams
+
+    arch = from_hf_config(req["hf_config"], req["name"])
+    setup_dict = dict(req["setup"])
+    setup_dict["lora_targets"] = tuple(setup_dict.get("lora_targets") or ())
+    setup = TrainSetup(**setup_dict)
+    lora = LoraParams(**req["lora"]) if req.get("lora") else None
+    return xla_peak(arch, setup, req.get("max_layers"), lora)
+
+
+def check(arch: Architecture, setup: TrainSetup, max_layers: int | None = 4, lora=None, timeout: float = 900) -> dict:
+    """XLA's figure, compiled here when JAX has enough CPU devices, else in a child process that has them."""
+    import jax
+
+    cpus = [d for d in jax.devices() if d.platform == "cpu"] if jax.default_backend() == "cpu" else []
+    if len(cpus) >= setup.devices:
+        return xla_peak(arch, setup, max_layers, lora, cpus[: setup.devices])
+    env = dict(os.environ)
+    flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f)
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={setup.devices}".strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "tunix_pipeline.planning.xla"],
+            input=json.dumps(request(arch, setup, max_layers, lora)),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as err:
+        raise PlanError(f"the XLA check took longer than {timeout:.0f} s") from err
+    if done.returncode != 0:
+        raise PlanError(f"the XLA check failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _main() -> None:
+    req = json.loads(sys.stdin.read())
+    print(json.dumps(run_request(req)))
+
+
+if __name__ == "__main__":
+    _main()

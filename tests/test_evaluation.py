@@ -1,0 +1,218 @@
+"""Evaluation metrics on hand-checked cases, generation with Tunix's sampler, and the edge cases."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from pydantic import ValidationError
+
+from tunix_pipeline import evaluation
+from tunix_pipeline.config import EvaluateParams, ModelParams, RuntimeParams
+from tunix_pipeline.evaluation import answers_match, exact_match, majority_answer, markdown_table, pass_at_k, score
+
+MESH = RuntimeParams(mesh={"fsdp": 4, "tp": 2})
+
+
+def _formatted(answers):
+    return pd.DataFrame(
+        {
+            "id": [f"q{i}" for i in range(len(answers))],
+            "prompt": [f"<bos><start_of_turn>user\nq{i}<end_of_turn>\n<start_of_turn>model\n" for i in range(len(answers))],
+            "answer": answers,
+        }
+    )
+
+
+def _gen(answer: str, closed: bool = True) -> str:
+    return f"<reasoning>r</reasoning><answer>{answer}</answer>" if closed else f"<reasoning>r</reasoning><answer>{answer}"
+
+
+# ---------------------------------------------------------------- answers
+@pytest.mark.parametrize(
+    ("predicted", "reference", "exact", "match"),
+    [
+        ("42", "42", True, True),
+        (" 1,234 ", "1234", True, True),
+        ("42.0", "42", False, True),
+        ("42.0000001", "42", False, True),  # within 1e-6
+        ("42.001", "42", False, False),
+        ("nan", "nan", True, True),  # same text
+        ("inf", "1e400", False, False),
+        ("Paris", "Paris", True, True),
+        ("paris", "Paris", False, False),
+        (None, "42", False, False),
+    ],
+)
+def test_answer_matching(predicted, reference, exact, match):
+    assert exact_match(predicted, reference) is exact
+    assert answers_match(predicted, reference, 1e-6) is match
+
+
+def test_pass_at_k_by_hand():
+    assert pass_at_k(4, 0, 4) == 0.0
+    assert pass_at_k(4, 1, 4) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+
+
+def test_majority_vote():
+    assert majority_answer(["12", "12.0", "13", None]) == "12"  # 12 and 12.0 vote together
+    assert majority_answer(["13", "12", None, None]) == "13"  # tie: first drawn
+    assert majority_answer([None, None]) is None
+    assert majority_answer(["a", "b", "b"]) == "b"
+
+
+# ---------------------------------------------------------------- score
+def test_score_one_sample_per_prompt():
+    params = EvaluateParams(max_new_tokens=10)
+    generated = [_gen("7") + "<end_of_turn>", _gen("8.0"), _gen("5", closed=False), "no tags at all"]
+    metrics, samples = score("tuned", _formatted(["7", "8", "5", "6"]), generated, params, [5, 6, 10, 3])
+    assert metrics["prompts"] == metrics["samples"] == 4
+    assert metrics["answer_accuracy"] == 0.5  # 7, 8.0
+    assert metrics["answer_exact"] == 0.25  # only 7
+    assert metrics["format_compliance"] == 0.5
+    assert metrics["missing_answer"] == 0.5  # unclosed, no tags
+    assert metrics["truncated"] == 0.25  # 10 tokens = max_new_tokens
+    assert metrics["mean_completion_tokens"] == 6.0
+    assert "pass@1" not in metrics
+    assert samples["generated"][0] == _gen("7")  # end-of-turn removed
+    assert samples["reference"].map(type).eq(str).all() and list(samples.columns) == evaluation.SAMPLE_COLUMNS
+
+
+def test_score_several_samples_gives_pass_and_majority_at_k():
+    params = EvaluateParams(num_samples=3, temperature=1.0)
+    generated = [
+        _gen("1"), _gen("2"), _gen("2"),  # q0 (ref 2): 2 of 3 right, majority 2 -> right
+        _gen("9"), _gen("3"), _gen("9"),  # q1 (ref 3): 1 of 3 right, majority 9 -> wrong
+        "x", "y", _gen("4", closed=False),  # q2 (ref 4): none right, no answer to vote
+    ]
+    metrics, samples = score("m", _formatted(["2", "3", "4"]), generated, params)
+    assert metrics["samples"] == 9 and metrics["prompts"] == 3
+    assert metrics["answer_accuracy"] == pytest.approx(3 / 9)  # pass@1 over all samples
+    assert metrics["pass@3"] == pytest.approx(2 / 3)
+    assert metrics["majority@3"] == pytest.approx(1 / 3)
+    assert metrics["truncated"] is None and metrics["mean_completion_tokens"] is None  # no token counts given
+    assert samples["sample"].tolist() == [0, 1, 2] * 3
+
+
+def test_score_with_nothing_generated_is_counted_not_a_crash():
+    metrics, samples = score("m", _formatted([]), [], EvaluateParams())
+    assert metrics["prompts"] == 0 and metrics["answer_accuracy"] is None and samples.empty
+    with pytest.raises(ValueError, match="2 generations for 1 prompts x 1 samples"):
+        score("m", _formatted(["1"]), ["a", "b"], EvaluateParams())
+
+
+def test_markdown_table_side_by_side_with_delta_and_gaps():
+    table = markdown_table(
+        {"base": {"eval_loss": 2.0, "pass@2": None, "label": "x"}, "tuned": {"eval_loss": 0.5, "pass@2": 0.75}},
+        delta=("base", "tuned"),
+    )
+    lines = table.splitlines()
+    assert lines[0] == "| metric | base | tuned | tuned − base |"
+    assert "| eval_loss | 2 | 0.5 | -1.5 |" in lines
+    assert "| pass@2 | — | 0.75 | — |" in lines
+    assert "label" not in table  # only numbers
+
+
+def test_sampling_settings_are_validated():
+    with pytest.raises(ValidationError, match="num_samples > 1 needs temperature > 0"):
+        EvaluateParams(num_samples=4)
+    with pytest.raises(ValidationError, match="top_p / top_k need temperature > 0"):
+        EvaluateParams(top_k=5)
+    EvaluateParams(num_samples=4, temperature=0.8, top_p=0.9, top_k=20)
+
+
+def test_training_curves_figure():
+    sft = [{"step": i, "loss": 5.0 / i} for i in range(1, 6)]
+    assert len(evaluation.training_curves(sft).axes) == 1
+    grpo = [{"step": 1, "reward": 1.0, "kl": 0.0}, {"step": 2, "reward": 1.5, "kl": 0.01}]
+    assert len(evaluation.training_curves(sft, grpo).axes) == 3  # loss, reward and its KL twin
+    assert len(evaluation.training_curves(None).axes) == 1
+
+
+def test_empty_eval_split_gives_a_report_not_a_crash():
+    from tunix_pipeline.pipelines.evaluate.nodes import evaluate_models
+
+    empty = pd.DataFrame(columns=["id", "prompt", "answer"])
+    sft_result = {"loss_history": [{"step": 1, "loss": 2.0}], "checkpoint_dir": "nowhere"}
+    metrics, samples, report, curve = evaluate_models(
+        empty, empty, {"path": "nowhere"}, sft_result, ModelParams(), EvaluateParams(), MESH
+    )
+    assert metrics == {"empty_eval_split": True} and samples.empty
+    assert "eval split is empty" in report and curve is not None
+
+
+# ---------------------------------------------------------------- generation on the tiny model
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    from tunix_pipeline.models import load_model
+    from tunix_pipeline.training import make_mesh
+
+    mesh = make_mesh(MESH)
+    model, _ = load_model(tiny_model_dir, mesh, "float32")
+    return model, mesh
+
+
+def test_prompt_lengths_count_like_the_sampler(tokenizer):
+    prompts = ["<bos><start_of_turn>user\nAda has 3 apples.<end_of_turn>\n<start_of_turn>model\n", "hello"]
+    lengths = evaluation.prompt_lengths(tokenizer, prompts)
+    from tunix.generate import sampler as sampler_lib
+
+    sampler = object.__new__(sampler_lib.Sampler)  # only its tokenize(), which needs the tokenizer
+    from tunix.generate import tokenizer_adapter
+
+    sampler.tokenizer = tokenizer_adapter.TokenizerAdapter(tokenizer)
+    assert lengths == [len(sampler.tokenize(p)) for p in prompts]
+
+
+def test_generation_batches_reuse_one_sampler_and_see_new_weights(tiny, tokenizer):
+    import jax
+    from flax import nnx
+
+    model, mesh = tiny
+    prompts = [f"<bos><start_of_turn>user\nAda has {i} apples.<end_of_turn>\n<start_of_turn>model\n" for i in range(5)]
+    params = EvaluateParams(max_new_tokens=6, batch_size=4)
+    generator = evaluation.Generator(model, tokenizer, params, prompt_length=32)
+    with mesh:
+        texts, lengths = generator(prompts)  # 5 prompts: a full batch of 4, then 1 padded to 4
+        again, _ = generator(prompts[:1])
+        assert len(texts) == len(lengths) == 5 and again[0] == texts[0]  # greedy: the same text
+        assert all(0 <= n <= 6 for n in lengths)
+
+        # new weights in the same model: the next call generates with them, like a fresh sampler
+        state = nnx.state(model, nnx.Param)
+        nnx.update(model, jax.tree.map(lambda x: x * 1.5, state))
+        reused, _ = generator(prompts[:4])
+        fresh, _ = evaluation.Generator(model, tokenizer, params, prompt_length=32)(prompts[:4])
+        nnx.update(model, state)
+    assert reused == fresh
+
+
+def test_sampled_generation_draws_several_samples_per_prompt(tiny, tokenizer):
+    model, mesh = tiny
+    prompts = [f"<bos><start_of_turn>user\nq{i}<end_of_turn>\n<start_of_turn>model\n" for i in range(2)]
+    params = EvaluateParams(max_new_tokens=8, batch_size=8, num_samples=4, temperature=1.0, top_k=50)
+    with mesh:
+        texts, lengths = evaluation.Generator(model, tokenizer, params, prompt_length=16)(prompts)
+    assert len(texts) == 8
+    assert len(set(texts[:4])) > 1  # a random model sampled at temperature 1 does not repeat itself
+
+
+def test_evaluator_skips_and_counts_prompts_that_do_not_fit(tiny, tokenizer):
+    model, mesh = tiny
+    formatted = _formatted(["1", "2", "3"])
+    formatted.loc[1, "prompt"] = formatted.loc[1, "prompt"] + " word" * 80  # far too long
+    params = EvaluateParams(max_new_tokens=4, batch_size=4, max_prompt_length=32)
+    evaluator = evaluation.Evaluator(model, tokenizer, mesh, params, pd.DataFrame(), formatted, loss_batch_size=4)
+    metrics, samples = evaluator.measure("base")
+    assert metrics["prompts_too_long"] == 1 and metrics["prompts"] == 2
+    assert set(samples["id"]) == {"q0", "q2"}
+    assert metrics["eval_loss"] is None  # no tokenized eval rows: no loss, no crash
+    assert not math.isnan(metrics["format_compliance"])
+
+    # without a limit the cache grows to fit the longest prompt
+    held_out, skipped, length = evaluation.select_prompts(formatted, tokenizer, EvaluateParams())
+    assert skipped == 0 and len(held_out) == 3 and length >= max(evaluation.prompt_lengths(tokenizer, formatted["prompt"].tolist()))
+    assert length == 1 << (length - 1).bit_length()  # a power of two
+    np.testing.assert_array_equal(held_out["id"], ["q0", "q1", "q2"])

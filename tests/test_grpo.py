@@ -1,0 +1,187 @@
+"""GRPO with Tunix on the tiny model: data feed, variants, short runs (full weights and LoRA), resume."""
+
+import itertools
+import json
+
+import jax
+import numpy as np
+import pandas as pd
+import pytest
+from flax import nnx
+
+from tunix_pipeline import grpo, tracking
+from tunix_pipeline.config import GrpoParams, LoraParams, RuntimeParams
+from tunix_pipeline.training import make_mesh
+
+MESH = RuntimeParams(mesh={"fsdp": 4, "tp": 2})
+
+
+def distinct_chars(prompts, completions, **columns):
+    """A custom reward (used by dotted path): varies between random completions, so advantages are not 0."""
+    return [len(set(c)) / 10 for c in completions]
+
+
+@pytest.fixture(scope="module")
+def formatted():
+    n = 12
+    return pd.DataFrame(
+        {
+            "id": [f"r{i}" for i in range(n)],
+            "source": ["t"] * n,
+            "prompt": [f"<bos><start_of_turn>user\nAda has {i} apples.<end_of_turn>\n<start_of_turn>model\n" for i in range(n)],
+            "completion": [f"<reasoning>{i}</reasoning><answer>{i}</answer><end_of_turn>" for i in range(n)],
+            "answer": [str(i) for i in range(n)],
+        }
+    )
+
+
+def _params(tmp_path, **kwargs):
+    defaults = dict(
+        max_steps=2, batch_size=2, num_generations=2, max_prompt_length=32, max_completion_length=8,
+        learning_rate=1e-2, checkpoint_every=2, checkpoint_dir=str(tmp_path / "grpo"),
+        rewards=[{"fn": "tests.test_grpo:distinct_chars"}, {"fn": "format_exact", "weight": 0.5}, {"fn": "answer"}],
+    )
+    return GrpoParams(**{**defaults, **kwargs})
+
+
+def _weights(model, kind=nnx.Param):
+    return {".".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, kind))}
+
+
+# ---------------------------------------------------------------- pieces
+def test_prompt_feed_is_seeded_numpy_and_moves_the_sampling_seed(formatted):
+    from tunix.rl.rollout import base_rollout
+
+    rollout = base_rollout.RolloutConfig(seed=0)
+    feed = grpo.PromptFeed(formatted, batch_size=4, seed=3, rollout_config=rollout)
+    first = list(itertools.islice(feed, 5))
+    again = list(itertools.islice(grpo.PromptFeed(formatted, batch_size=4, seed=3), 5))
+    assert all(isinstance(v, np.ndarray) for v in first[0].values())  # Tunix splits Python lists
+    assert set(first[0]) == {"prompts", "answer", "id", "source", "reference"}
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a["prompts"], b["prompts"])
+    assert rollout.seed == 3 * 1_000_003 + 4  # the 5th batch's seed
+    epoch = np.concatenate([b["id"] for b in first[:3]])
+    assert sorted(epoch) == sorted(formatted["id"])  # an epoch is a permutation
+    with pytest.raises(grpo.GrpoError, match="cannot fill one GRPO batch of 20"):
+        grpo.PromptFeed(formatted, batch_size=20, seed=0)
+
+
+def test_prompts_that_do_not_fit_are_skipped_and_counted(formatted, tokenizer):
+    long = formatted.copy()
+    long.loc[0, "prompt"] += " apples" * 100
+    rows, skipped = grpo.fitting_prompts(long, tokenizer, 32)
+    assert skipped == 1 and len(rows) == len(formatted) - 1 and "r0" not in set(rows["id"])
+
+
+@pytest.mark.parametrize(
+    ("variant", "beta", "estimator"),
+    [("grpo", 0.04, "grpo"), ("dr-grpo", 0.0, "drgrpo"), ("dapo", 0.0, "grpo")],
+)
+def test_loss_variants_map_to_tunix_learners(tmp_path, variant, beta, estimator):
+    config, learner = grpo.algorithm(_params(tmp_path, loss_variant=variant, beta=beta, num_generations=4))
+    assert config.advantage_estimator == estimator and config.num_generations == 4
+    assert config.beta == beta  # dapo: 0.0, so Tunix skips the reference pass
+    assert learner.__name__ == {"grpo": "GRPOLearner", "dr-grpo": "DrGRPOLearner", "dapo": "DAPOLearner"}[variant]
+    if variant == "dapo":
+        assert config.epsilon_high == 0.28 and config.overlong_buffer is None
+
+
+def test_frozen_copy_shares_arrays_until_the_model_changes(tiny_model_dir):
+    from tunix_pipeline.models import load_model
+
+    model, _ = load_model(tiny_model_dir, None, "float32")
+    copy = grpo.frozen_copy(model)
+    before = _weights(copy)
+    nnx.update(model, jax.tree.map(lambda x: x + 1, nnx.state(model, nnx.Param)))
+    after = _weights(copy)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_batch_must_divide_over_the_data_devices(tiny_model_dir, tokenizer, formatted, tmp_path):
+    with pytest.raises(grpo.GrpoError, match=r"= 6 completions per step must divide over the 4 data-parallel"):
+        grpo.train_grpo(None, tokenizer, formatted, _params(tmp_path, batch_size=3), make_mesh(MESH))
+    with pytest.raises(grpo.GrpoError, match="no training prompt fits grpo.max_prompt_length=4"):
+        grpo.train_grpo(None, tokenizer, formatted, _params(tmp_path, max_prompt_length=4), make_mesh(MESH))
+
+
+def test_metric_listener_scope_removes_what_it_added():
+    from jax._src import monitoring
+
+    before = list(monitoring.get_scalar_listeners())
+
+    def listener(*args, **kwargs): ...
+
+    with tracking.scalar_listeners_scope():
+        jax.monitoring.register_scalar_listener(listener)
+    assert list(monitoring.get_scalar_listeners()) == before
+
+
+# ---------------------------------------------------------------- short runs
+def test_grpo_full_weights_trains_checkpoints_and_resumes(tiny_model_dir, tokenizer, formatted, tmp_path):
+    from tunix_pipeline.models import load_model
+
+    mesh = make_mesh(MESH)
+    model, _ = load_model(tiny_model_dir, mesh, "float32")
+    start = _weights(model)
+    params = _params(tmp_path)
+    result = grpo.train_grpo(model, tokenizer, formatted, params, mesh)
+
+    assert (result["latest_step"], result["resumed_from_step"], result["steps_this_run"]) == (2, 0, 2)
+    assert result["reference_model"] and result["completions_per_step"] == 4
+    assert result["rewards"] == {"distinct_chars": 1.0, "format_exact": 0.5, "answer": 1.0}
+    history = result["history"]
+    assert [h["step"] for h in history] == [1, 2]
+    for h in history:
+        assert h["reward"] > 0 and h["reward/distinct_chars"] > 0 and h["reward/format_exact"] == 0
+        assert h["kl"] is not None and h["completion_length"] > 0 and h["reward_std"] >= 0
+    ckpt = tmp_path / "grpo" / "actor"
+    assert result["checkpoint_dir"] == str(ckpt) and (ckpt / "2").is_dir() and not (ckpt / "1").exists()
+    assert json.loads((tmp_path / "grpo" / grpo.HISTORY_FILE).read_text()) == history
+    trained = _weights(model)
+    assert any(not np.allclose(start[k], trained[k]) for k in start)
+
+    # the checkpoint restores into a fresh model
+    from tunix_pipeline.training import restore_latest
+
+    fresh, _ = load_model(tiny_model_dir, mesh, "float32")
+    assert restore_latest(fresh, ckpt) == 2
+    assert all(np.allclose(trained[k], v) for k, v in _weights(fresh).items())
+
+    # a longer budget resumes from step 2; the same budget again trains nothing
+    model, _ = load_model(tiny_model_dir, mesh, "float32")
+    resumed = grpo.train_grpo(model, tokenizer, formatted, _params(tmp_path, max_steps=3), mesh)
+    assert (resumed["resumed_from_step"], resumed["latest_step"], resumed["steps_this_run"]) == (2, 3, 1)
+    assert [h["step"] for h in resumed["history"]] == [1, 2, 3]
+    model, _ = load_model(tiny_model_dir, mesh, "float32")
+    again = grpo.train_grpo(model, tokenizer, formatted, _params(tmp_path, max_steps=3), mesh)
+    assert again["steps_this_run"] == 0 and len(again["history"]) == 3
+
+
+def test_grpo_with_lora_trains_only_adapters_without_a_reference(tiny_model_dir, tokenizer, formatted, tmp_path):
+    from tunix_pipeline.models import apply_lora, load_model
+
+    mesh = make_mesh(MESH)
+    model, _ = load_model(tiny_model_dir, mesh, "float32")
+    model = apply_lora(model, LoraParams(rank=2, alpha=4.0), mesh)
+    base, adapters = _weights(model), _weights(model, nnx.LoRAParam)
+    params = _params(tmp_path, loss_variant="dr-grpo", beta=0.0, max_steps=1, checkpoint_every=1)
+    result = grpo.train_grpo(model, tokenizer, formatted, params, mesh)
+    assert result["latest_step"] == 1 and not result["reference_model"]
+    assert result["history"][0]["kl"] is None  # no KL without a reference
+    new_base, new_adapters = _weights(model), _weights(model, nnx.LoRAParam)
+    assert all(np.array_equal(base[k], new_base[k]) for k in base if k not in adapters)
+    assert any(not np.allclose(adapters[k], new_adapters[k]) for k in adapters)
+
+
+def test_export_ships_grpo_only_when_it_ran_from_the_current_sft_checkpoint(caplog):
+    from tunix_pipeline.pipelines.export.nodes import final_checkpoint
+
+    sft = {"checkpoint_dir": "/c/sft", "latest_step": 200}
+    ran = {"enabled": True, "checkpoint_dir": "/c/grpo/actor", "sft_checkpoint_dir": "/c/sft", "sft_step": 200}
+    assert final_checkpoint(sft, ran) == ("grpo", "/c/grpo/actor")
+    off = {"enabled": False, "checkpoint_dir": "/c/sft", "sft_checkpoint_dir": "/c/sft", "sft_step": 200}
+    assert final_checkpoint(sft, off) == ("sft", "/c/sft")
+    # SFT trained on after GRPO ran: the GRPO policy is stale, ship SFT and say so
+    assert final_checkpoint({**sft, "latest_step": 210}, ran) == ("sft", "/c/sft")
+    assert "grpo_result is from SFT step 200" in caplog.text

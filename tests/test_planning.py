@@ -1,0 +1,247 @@
+"""`plan`: the memory estimate against XLA, the seeds' examples, the table, and the sft guardrail."""
+
+import json
+import logging
+
+import mlflow
+import pytest
+import yaml
+from kedro.framework.session import KedroSession
+from kedro.framework.startup import bootstrap_project
+
+from tunix_pipeline.config import LoraParams, ModelParams, PlanParams, RuntimeParams, SftParams, TokenizeParams
+from tunix_pipeline.planning import DoesNotFit, TrainSetup, build_plan, estimate_memory, from_hf_config, markdown, resolve
+from tunix_pipeline.planning import xla
+from tunix_pipeline.planning.architecture import lora_targets
+from tunix_pipeline.planning.memory import GIB
+from tunix_pipeline.planning.plan import Job, evaluate, make_plan
+
+from .conftest import ROOT
+
+PLAN = PlanParams(**yaml.safe_load((ROOT / "conf" / "base" / "parameters_plan.yml").read_text())["plan"])
+KNOWN = PLAN.architectures
+TINY = resolve(ModelParams())
+GEMMA_2B = from_hf_config(KNOWN["google/gemma-2b"], "google/gemma-2b")
+LORA = LoraParams()
+TARGETS = lora_targets(LORA.target_modules)
+
+
+def _agree(arch, setup, lora=None, max_layers=4):
+    got = xla.check(arch, setup, max_layers, lora)
+    est = estimate_memory(arch, setup).peak
+    print(f"{arch.name} {setup}: estimate {est / 2**20:.2f} MiB, XLA {got['peak'] / 2**20:.2f} MiB ({got['method']})")
+    assert abs(est - got["peak"]) / got["peak"] < 0.2, (est, got)
+
+
+# ---------------------------------------------------------------- estimate vs XLA
+TINY_SETUP = TrainSetup(per_device_batch=2, seq_len=128, fsdp=4, tp=2, backend="cpu")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        {"fsdp": 8, "tp": 1, "mode": "lora", "lora_targets": TARGETS},
+        {"optimizer": "adafactor", "grad_accum": 2, "remat": "decoder"},
+    ],
+    ids=["full-4x2", "lora-8x1", "adafactor-accum-remat"],
+)
+def test_the_estimate_agrees_with_xla_for_the_tiny_model(change):
+    _agree(TINY, TINY_SETUP.replace(**change), LORA if change.get("mode") == "lora" else None)
+
+
+def test_the_estimate_agrees_with_xla_for_a_gemma_2b_shaped_model():
+    # every layer and the full 256k vocabulary, abstract shapes only; 1 and 2 layers compiled, extrapolated to 18
+    _agree(GEMMA_2B, TrainSetup(per_device_batch=2, seq_len=512, fsdp=8, backend="cpu"), max_layers=4)
+
+
+def test_layer_extrapolation_matches_compiling_every_layer():
+    four = from_hf_config({**TINY.hf_config, "num_hidden_layers": 3}, "tiny-3-layers")
+    setup = TINY_SETUP
+    whole = xla.xla_peak(four, setup, max_layers=None)["peak"]
+    extrapolated = xla.xla_peak(four, setup, max_layers=2)["peak"]
+    assert abs(extrapolated - whole) / whole < 0.05
+
+
+def test_parameter_count_is_the_abstract_models():
+    from flax import nnx
+
+    from tunix_pipeline.planning.xla import _tunix_config
+
+    family, cfg = _tunix_config(GEMMA_2B, GEMMA_2B.num_layers, "none")
+    abstract = nnx.eval_shape(lambda: family.model_class(cfg, rngs=nnx.Rngs(0)))
+    assert sum(x.size for x in __import__("jax").tree.leaves(nnx.state(abstract, nnx.Param))) == GEMMA_2B.params
+    assert 2.50e9 < GEMMA_2B.params < 2.52e9
+
+
+# ---------------------------------------------------------------- the seeds, in direction
+def _fits(name, profile, mode="full", batch=4, length=512, dtype="bfloat16"):
+    arch = from_hf_config(KNOWN[name], name)
+    hw = PLAN.profiles[profile]
+    setup = TrainSetup(per_device_batch=batch, seq_len=length, fsdp=hw.devices, param_dtype=dtype, backend=hw.kind,
+                       mode=mode, lora_targets=TARGETS)
+    peak = estimate_memory(arch, setup).peak
+    return peak <= hw.memory_gib * GIB * PLAN.usable_memory_fraction, peak / GIB
+
+
+def test_the_hardware_guides_examples():
+    # seed 002: Qwen2.5-0.5B full fits t4-small; 1.5B full exceeds it; 1.5B LoRA fits
+    assert _fits("Qwen/Qwen2.5-0.5B", "t4-small", batch=4)[0]
+    assert not _fits("Qwen/Qwen2.5-1.5B", "t4-small", batch=2)[0]
+    assert _fits("Qwen/Qwen2.5-1.5B", "t4-small", "lora", batch=2)[0]
+    # its rule of thumb: full fine-tuning needs ~20 GB per billion parameters (fp32 weights and Adam)
+    _, qwen_fp32 = _fits("Qwen/Qwen2.5-1.5B", "a100-large", batch=2, dtype="float32")
+    assert 24 < qwen_fp32 < 36
+    # and 7B full (fp32 weights) is not feasible on one 80 GB card, QLoRA is
+    assert not _fits("Qwen/Qwen2.5-7B", "h100", batch=2, dtype="float32")[0]
+    assert _fits("Qwen/Qwen2.5-7B", "t4-small", "qlora", batch=1)[0]
+
+
+def test_gemma_2b_full_at_batch_4_and_length_1024_on_a_v5e_8():
+    # seed 000/004's job: the estimate says it does not fit 16 GiB per chip as configured
+    # (~27 GiB: Gemma's 256k-vocabulary logits in float32 and 18 layers of activations; XLA:TPU
+    # compiled for a v5e 2x4 topology gave ~26 GiB), and says what would
+    fits, gib = _fits("google/gemma-2b", "tpu-v5e-8", batch=4, length=1024)
+    assert not fits and 20 < gib < 34
+    plan = _plan(ModelParams(source="google/gemma-2b", dtype="bfloat16"), "kaggle-tpu-v5e-8", per_device_batch_size=4,
+                 max_length=1024, max_steps=3000, checkpoint_every=1000)
+    assert plan.status == "over"
+    assert any(a.startswith("remat") for a in plan.advice)
+    assert any(a.startswith("per-device batch 1") for a in plan.advice)
+    assert plan.recommended is not None and plan.recommended.fits
+
+
+def _plan(model, hardware, max_length=128, **sft):
+    sft = SftParams(**{"max_steps": 100, "per_device_batch_size": 2, "learning_rate": 1e-3, "checkpoint_every": 50, **sft})
+    plan = PLAN.model_copy(update={"hardware": hardware})
+    return build_plan(model, sft, RuntimeParams(mesh="auto"), TokenizeParams(max_length=max_length), plan)
+
+
+# ---------------------------------------------------------------- the table, recommendation and warnings
+def test_every_profile_gets_a_row_and_the_cheapest_that_fits_is_recommended():
+    plan = _plan(ModelParams(source="Qwen/Qwen2.5-0.5B", dtype="bfloat16"), "tpu-v5e-8", max_length=512,
+                 per_device_batch_size=4, max_steps=2000)
+    assert {r.profile for r in plan.rows} == set(PLAN.profiles)
+    fitting = [r for r in plan.rows if r.fits and r.within_budget]
+    assert plan.recommended.cost == min(r.cost for r in fitting)
+    text = markdown(plan)
+    assert "| tpu-v5e-8 **(this run)**" in text and "(recommended)" in text
+    # a budget on time rules out the slow ones
+    fast = PLAN.model_copy(update={"hardware": "tpu-v5e-8", "budget": PLAN.budget.model_copy(update={"max_hours": 1.0})})
+    job = plan.job
+    rows = [evaluate(job, n, p, fast) for n, p in fast.profiles.items()]
+    best = make_plan(job, fast, ("tpu-v5e-8", fast.profiles["tpu-v5e-8"])).recommended
+    assert best.hours <= 1.0 and best.cost == min(r.cost for r in rows if r.fits and r.within_budget)
+
+
+def test_kaggle_sessions_and_the_weekly_quota():
+    plan = _plan(ModelParams(source="google/gemma-2b", dtype="bfloat16"), "kaggle-tpu-v5e-8", max_length=512,
+                 per_device_batch_size=1, max_steps=200_000, checkpoint_every=1000)
+    row = plan.selected
+    assert row.steps_per_session and row.sessions == -(-row.steps // row.steps_per_session)
+    assert row.weeks == -(-row.hours // 20)
+    # a checkpoint interval longer than a session: warned, not refused
+    long = _plan(ModelParams(source="Qwen/Qwen2.5-0.5B", dtype="bfloat16"), "kaggle-tpu-v5e-8", max_length=1024,
+                 per_device_batch_size=1, max_steps=2_000_000, checkpoint_every=1_000_000)
+    assert long.selected.fits and long.selected.memory_fraction < 0.9
+    assert long.status == "risky" and any("before the first checkpoint" in w for w in long.warnings)
+
+
+def test_a_large_model_on_a_small_gpu_is_a_warning():
+    model = ModelParams(source="Qwen/Qwen2.5-1.5B", dtype="bfloat16", lora=LoraParams())
+    plan = _plan(model, "t4-small", max_length=256, per_device_batch_size=1)
+    assert plan.status == "risky" and any("large model on a small GPU" in w for w in plan.warnings)
+
+
+def test_over_90_percent_of_memory_is_a_warning():
+    plan = _plan(ModelParams(source="google/gemma-2b", dtype="bfloat16"), "kaggle-tpu-v5e-8", max_length=1024,
+                 per_device_batch_size=4, remat="decoder")
+    assert plan.selected.fits and plan.selected.memory_fraction > 0.9
+    assert plan.status == "risky" and any("headroom" in w for w in plan.warnings)
+
+
+def test_a_job_always_has_the_configured_samples():
+    plan = _plan(ModelParams(source="Qwen/Qwen2.5-0.5B", dtype="bfloat16"), "tpu-v5e-8", per_device_batch_size=4)
+    assert isinstance(plan.job, Job) and plan.job.global_batch == 32
+    for row in plan.rows:
+        assert row.steps * row.global_batch >= plan.job.samples
+
+
+# ---------------------------------------------------------------- Kedro: the plan pipeline and the sft guardrail
+def _session(path, env=None):
+    bootstrap_project(path)
+    return KedroSession.create(project_path=path, env=env)
+
+
+def test_the_plan_pipeline_writes_the_table_and_logs_it(project):
+    with _session(project) as session:
+        session.run(pipeline_names=["plan"])
+    report = (project / "data" / "08_reporting" / "plan.md").read_text()
+    summary = json.loads((project / "data" / "08_reporting" / "plan.json").read_text())
+    assert "## Checked against XLA" in report and "## Every hardware profile" in report
+    assert summary["status"] == "ok" and abs(summary["xla_check"]["difference"]) < 0.2
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]
+    assert "plan_report.md" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert run.data.metrics["plan_summary.memory_per_device_gib"] > 0
+
+
+def test_the_plan_pipeline_plans_tpu_full_offline(project):
+    (project / "conf" / "tpu_full" / "parameters_plan.yml").write_text(
+        "plan:\n  hardware: kaggle-tpu-v5e-8\n  xla_check: {enabled: false}\n"
+    )
+    with _session(project, "tpu_full") as session:
+        session.run(pipeline_names=["plan"])
+    summary = json.loads((project / "data" / "08_reporting" / "plan.json").read_text())
+    assert summary["model"] == "google/gemma-2b" and summary["hardware"] == "kaggle-tpu-v5e-8"
+    assert summary["global_batch"] == 32 and summary["mesh"] == {"data": 1, "fsdp": 8, "tp": 1}
+    assert summary["status"] in ("ok", "risky") or summary["advice"]  # over: it says what would fit
+
+
+def test_sft_stops_before_reading_weights_when_the_run_cannot_fit(project, monkeypatch):
+    import pandas as pd
+
+    from tunix_pipeline.pipelines.sft import nodes as sft_nodes
+
+    def read_weights(*args, **kwargs):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(sft_nodes, "load_run_model", read_weights)
+    (project / "conf" / "local" / "parameters.yml").write_text(
+        "plan:\n  hardware: small\n  profiles:\n"
+        "    small: {kind: tpu, devices: 8, memory_gib: 0.001, peak_tflops: 1}\n"
+        "tracking:\n  enabled: false\n"
+    )
+    # the sft stage's inputs, as the earlier stages leave them (the tiny model is planned from its parameters)
+    rows = pd.DataFrame({"id": ["a", "b"], "input_tokens": [[1] * 128] * 2, "loss_mask": [[1] * 128] * 2,
+                         "segment_ids": [[1] * 128] * 2, "positions": [list(range(128))] * 2})
+    for name, folder in (("train_tokens", "05_model_input"), ("eval_tokens", "05_model_input")):
+        (project / "data" / folder).mkdir(parents=True, exist_ok=True)
+        rows.to_parquet(project / "data" / folder / f"{name}.parquet")
+    (project / "data" / "02_intermediate").mkdir(parents=True, exist_ok=True)
+    (project / "data" / "02_intermediate" / "base_model.json").write_text(json.dumps({"path": "data/06_models/base_model"}))
+    with _session(project) as session, pytest.raises(DoesNotFit) as err:
+        session.run(pipeline_names=["sft"])
+    message = str(err.value)
+    print(message)
+    assert "does not fit small" in message and "over by" in message and "It would fit with any of" in message
+    assert not (project / "data" / "06_models" / "sft_checkpoints").exists()
+    assert not (project / "data" / "06_models" / "sft_result.json").exists()
+
+
+def test_the_preflight_warns_and_goes_on_when_risky(caplog):
+    from tunix_pipeline.pipelines.plan.nodes import check_sft_fits
+
+    import pandas as pd
+
+    plan = PLAN.model_copy(update={"hardware": "t4-small"})
+    model = ModelParams(source="Qwen/Qwen2.5-1.5B", dtype="bfloat16", lora=LoraParams())
+    sft = SftParams(max_steps=10, per_device_batch_size=1, learning_rate=1e-4, checkpoint_every=5)
+    rows = pd.DataFrame({"input_tokens": [[1] * 256] * 4})
+    base = {"path": "nowhere"}
+    with caplog.at_level(logging.WARNING):
+        passed, summary = check_sft_fits(base, rows, model, sft, RuntimeParams(), TokenizeParams(max_length=256), plan)
+    assert passed is base and summary["status"] == "risky"
+    assert "large model on a small GPU" in caplog.text
+    off = plan.model_copy(update={"enabled": False})
+    assert check_sft_fits(base, rows, model, sft, RuntimeParams(), TokenizeParams(max_length=256), off)[1] == {"status": "skipped"}
