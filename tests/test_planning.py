@@ -168,9 +168,9 @@ def test_a_job_always_has_the_configured_samples():
 
 
 # ---------------------------------------------------------------- Kedro: the plan pipeline and the sft guardrail
-def _session(path, env=None):
+def _session(path, env=None, **runtime_params):
     bootstrap_project(path)
-    return KedroSession.create(project_path=path, env=env)
+    return KedroSession.create(project_path=path, env=env, runtime_params=runtime_params or None)
 
 
 def test_the_plan_pipeline_writes_the_table_and_logs_it(project):
@@ -187,15 +187,13 @@ def test_the_plan_pipeline_writes_the_table_and_logs_it(project):
 
 
 def test_the_plan_pipeline_plans_tpu_full_offline(project):
-    (project / "conf" / "tpu_full" / "parameters_plan.yml").write_text(
-        "plan:\n  hardware: kaggle-tpu-v5e-8\n  xla_check: {enabled: false}\n"
-    )
-    with _session(project, "tpu_full") as session:
+    # tpu_full plans for its Kaggle v5e-8 (conf/tpu_full); the XLA check is skipped here for time
+    with _session(project, "tpu_full", plan={"xla_check": {"enabled": False}}) as session:
         session.run(pipeline_names=["plan"])
     summary = json.loads((project / "data" / "08_reporting" / "plan.json").read_text())
     assert summary["model"] == "google/gemma-2b" and summary["hardware"] == "kaggle-tpu-v5e-8"
     assert summary["global_batch"] == 32 and summary["mesh"] == {"data": 1, "fsdp": 8, "tp": 1}
-    assert summary["status"] in ("ok", "risky") or summary["advice"]  # over: it says what would fit
+    assert summary["status"] in ("ok", "risky")  # with remat and loss chunks, Gemma-2B full fits 16 GiB chips
 
 
 def test_sft_stops_before_reading_weights_when_the_run_cannot_fit(project, monkeypatch):
