@@ -74,6 +74,29 @@ def test_parameter_count_is_the_abstract_models():
     assert 2.50e9 < GEMMA_2B.params < 2.52e9
 
 
+
+def test_a_data_axis_is_gathered_not_split_by_tunix_models():
+    # Tunix's models constrain activations to (fsdp, ..., tp) and never name `data`: on a data axis each
+    # device computes all the rows of its group. The plan warns (below); XLA shows the cost
+    on_data = xla.check(TINY, TINY_SETUP.replace(data=8, fsdp=1, tp=1))["peak"]
+    on_fsdp = xla.check(TINY, TINY_SETUP.replace(data=1, fsdp=8, tp=1))["peak"]
+    print(f"tiny, 2 x 128 per device: data 8 {on_data / 2**20:.2f} MiB, fsdp 8 {on_fsdp / 2**20:.2f} MiB")
+    assert on_data > 1.3 * on_fsdp
+    plan = _plan(ModelParams(), "cpu", runtime=RuntimeParams(mesh={"data": 2, "fsdp": 4}))
+    assert plan.status == "risky" and any("runtime.mesh has data: 2" in w for w in plan.warnings)
+
+
+def test_a_remat_run_is_checked_against_xla_without_remat():
+    # XLA:CPU keeps the activations under remat anyway, so the check compiles (and estimates) the step without it
+    from tunix_pipeline.planning import check_against_xla
+
+    model = ModelParams()
+    plan = _plan(model, "cpu", remat="decoder", per_device_batch_size=4)
+    checked = check_against_xla(plan, model)
+    assert "without remat (decoder)" in checked["dtype_note"] and abs(checked["difference"]) < 0.2
+    plan.xla = checked
+    assert "compiled without remat (decoder)" in markdown(plan)
+
 # ---------------------------------------------------------------- the seeds, in direction
 def _fits(name, profile, mode="full", batch=4, length=512, dtype="bfloat16"):
     arch = from_hf_config(KNOWN[name], name)
@@ -111,10 +134,10 @@ def test_gemma_2b_full_at_batch_4_and_length_1024_on_a_v5e_8():
     assert plan.recommended is not None and plan.recommended.fits
 
 
-def _plan(model, hardware, max_length=128, **sft):
+def _plan(model, hardware, max_length=128, runtime=None, **sft):
     sft = SftParams(**{"max_steps": 100, "per_device_batch_size": 2, "learning_rate": 1e-3, "checkpoint_every": 50, **sft})
     plan = PLAN.model_copy(update={"hardware": hardware})
-    return build_plan(model, sft, RuntimeParams(mesh="auto"), TokenizeParams(max_length=max_length), plan)
+    return build_plan(model, sft, runtime or RuntimeParams(mesh="auto"), TokenizeParams(max_length=max_length), plan)
 
 
 # ---------------------------------------------------------------- the table, recommendation and warnings
@@ -180,7 +203,7 @@ def test_the_plan_pipeline_writes_the_table_and_logs_it(project):
     summary = json.loads((project / "data" / "08_reporting" / "plan.json").read_text())
     assert "## Checked against XLA" in report and "## Every hardware profile" in report
     assert summary["status"] == "ok" and abs(summary["xla_check"]["difference"]) < 0.2
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'data' / 'mlflow.db'}")
     run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]
     assert "plan_report.md" in {a.path for a in client.list_artifacts(run.info.run_id)}
     assert run.data.metrics["plan_summary.memory_per_device_gib"] > 0

@@ -22,7 +22,7 @@ def _session(path, env=None, **runtime_params):
 
 
 def _runs(path):
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{path / 'mlflow.db'}")
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{path / 'data' / 'mlflow.db'}")
     experiments = [e.experiment_id for e in client.search_experiments()]
     return client, client.search_runs(experiments, order_by=["start_time DESC"])
 
@@ -39,7 +39,10 @@ def test_every_environment_validates(project, env):
         assert params["sft"].optimizer == "adamw" and params["sft"].warmup_steps > 0
         assert params["runtime"].mesh == "auto"
         # only what differs is in the environment: base keys survive the merge
-        assert params["sft"].checkpoint_dir == "data/06_models/sft_checkpoints"
+        assert params["sft"].keep_checkpoints == 3 and params["evaluate"].temperature == 0
+        # seed 000's week as a session plan: the first session, its own checkpoints and 9 h budget
+        assert params["sessions"]["current"]["name"] == "sft_gsm8k" and params["sft"].time_budget_hours == 9
+        assert params["sft"].checkpoint_dir == "data/06_models/sft_checkpoints/sft_gsm8k"
 
 
 def test_a_wrong_key_fails_before_any_node_runs(project):

@@ -45,7 +45,7 @@ def test_smoke_pipeline_end_to_end_then_resume(project):
     grpo_samples = [json.loads(line) for line in (project / "data" / "07_model_output" / "grpo_eval_samples.jsonl").open()]
     assert {s["model"] for s in grpo_samples} == {"tuned", "grpo"}
 
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'data' / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("tunix_pipeline").experiment_id])[0]
     assert run.info.status == "FINISHED" and run.data.tags["kedro.pipelines"] == "smoke"
     losses = client.get_metric_history(run.info.run_id, "train/loss")

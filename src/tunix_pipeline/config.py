@@ -119,6 +119,8 @@ class DistributedParams(Strict):
 
 
 class RuntimeParams(Strict):
+    # the folder every output goes under (the catalog reads the same value through globals/runtime_params)
+    output_root: str = "data"
     # Fake CPU devices to expose when JAX runs on the CPU (no effect on GPU/TPU).
     host_device_count: int = Field(1, ge=1)
     # "auto": every device on the fsdp axis; or explicit sizes, e.g. {data: 2, fsdp: 4, tp: 1}
@@ -130,7 +132,12 @@ class RuntimeParams(Strict):
 
 
 class SftParams(Strict):
-    max_steps: int = Field(gt=0)
+    # 0 only with init_from: no training this session, the parent checkpoint passes on (e.g. to GRPO);
+    # null with `epochs`: the steps follow from the training rows
+    max_steps: int | None = Field(ge=0)
+    # passes over the training rows instead of max_steps (set max_steps: null); the trainer turns it into
+    # optimizer steps once the rows are known (`steps_for`), the plan from plan.train_rows
+    epochs: float | None = Field(None, gt=0)
     per_device_batch_size: int = Field(gt=0)
     # optimizer steps average this many micro-batches (global batch = per-device x data devices x this)
     gradient_accumulation_steps: int = Field(1, gt=0)
@@ -155,14 +162,47 @@ class SftParams(Strict):
     # (Kaggle sessions: 9); null: no limit
     time_budget_hours: float | None = Field(None, gt=0)
     seed: int = 0
+    # start from another run's checkpoint folder (full or LoRA, its latest step): its weights, with this
+    # run's data, a fresh optimizer and step 0. Not a resume: an interrupted run resumes from checkpoint_dir.
+    init_from: str | None = None
 
     @model_validator(mode="after")
     def _warmup_fits(self):
-        if self.warmup_steps >= self.max_steps:
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError(
+                "set exactly one of sft.max_steps and sft.epochs (to train by epochs, also set max_steps: null)"
+                if self.epochs is not None else "set sft.max_steps, or sft.epochs with max_steps: null"
+            )
+        if self.max_steps == 0 and self.init_from is None:
+            raise ValueError("max_steps: 0 (no training) needs init_from: the checkpoint to pass on")
+        if self.max_steps and self.warmup_steps >= self.max_steps:
             raise ValueError(
                 f"warmup_steps ({self.warmup_steps}) must be smaller than max_steps ({self.max_steps})"
             )
         return self
+
+    def steps_for(self, train_rows: int, micro_batch: int) -> "SftParams":
+        """This configuration with `max_steps` set: as configured, or `epochs` passes over `train_rows` rows.
+
+        `micro_batch`: rows per micro-batch (per-device batch x data-parallel devices). The trainer
+        drops each epoch's incomplete micro-batch (one shape, one compile), and an optimizer step
+        takes `gradient_accumulation_steps` micro-batches.
+        """
+        if self.epochs is None:
+            return self
+        per_epoch = train_rows // micro_batch
+        if per_epoch == 0:
+            raise ValueError(
+                f"sft.epochs: {train_rows} training rows cannot fill one micro-batch of {micro_batch} rows; "
+                "lower sft.per_device_batch_size or add data"
+            )
+        steps = max(1, -(-int(self.epochs * per_epoch) // self.gradient_accumulation_steps))
+        if self.warmup_steps >= steps:
+            raise ValueError(
+                f"sft.epochs: {self.epochs:g} epochs of {train_rows} rows are {steps} optimizer steps, "
+                f"not more than warmup_steps ({self.warmup_steps}); lower sft.warmup_steps"
+            )
+        return self.model_copy(update={"max_steps": steps})
 
 
 class EvaluateParams(Strict):
@@ -252,11 +292,21 @@ class ExportParams(Strict):
     max_shard_size: str = "2GB"
 
 
+class WandbParams(Strict):
+    """Weights & Biases as a second tracker of the training curves (Tunix's own backend)."""
+
+    enabled: bool = False
+    project: str = "tunix_pipeline"
+    entity: str | None = None
+    mode: Literal["online", "offline"] = "online"  # offline: a local run folder to `wandb sync` later
+
+
 class TrackingParams(Strict):
     enabled: bool = True
     experiment: str = "tunix_pipeline"
     # MLFLOW_TRACKING_URI, when set, wins over this default.
-    tracking_uri: str = "sqlite:///mlflow.db"
+    tracking_uri: str = "sqlite:///data/mlflow.db"
+    wandb: WandbParams = WandbParams()
     # Node outputs logged to the run: dicts as JSON + numeric metrics,
     # DataFrames as JSONL, strings as text.
     log_outputs: list[str] = []

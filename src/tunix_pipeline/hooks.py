@@ -1,15 +1,18 @@
-"""Project hooks: JAX device set-up before any node, and one MLflow run per `kedro run`."""
+"""Project hooks: JAX device set-up before any node, one MLflow run per `kedro run`, the session ledger."""
 
 from __future__ import annotations
 
 import logging
 import os
+import time
+from pathlib import Path
 
 from kedro.framework.hooks import hook_impl
 from pydantic import BaseModel
 
 from tunix_pipeline.config import RuntimeParams, TrackingParams
 from tunix_pipeline.runtime import configure_host_devices, initialize_distributed
+from tunix_pipeline.sessions import Ledger, SessionPlanDone, SessionsParams, brief, over_weekly_budget
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,9 @@ class ProjectHooks:
         self._project_path = None
         self._user_uri: str | None = None
         self._run = None
+        self._sessions: SessionsParams | None = None
+        self._results: dict = {}
+        self._started = 0.0
 
     @hook_impl
     def after_context_created(self, context) -> None:
@@ -52,6 +58,7 @@ class ProjectHooks:
         configure_host_devices(self._runtime.host_device_count)
         initialize_distributed(self._runtime.distributed)
         self._tracking = TrackingParams.model_validate(params.get("tracking", {}))
+        self._sessions = SessionsParams.model_validate(params.get("sessions") or {})
         self._params = params
         self._env = context.env
         self._project_path = context.project_path
@@ -63,6 +70,8 @@ class ProjectHooks:
         from tunix_pipeline import tracking
         from tunix_pipeline.training import make_mesh
 
+        trains = "train_sft" in {node.name for node in pipeline.nodes}
+        session_tags = self._begin_session() if trains else {}
         if "params:runtime" in pipeline.inputs():
             make_mesh(self._runtime)  # a mesh that cannot be built fails now, not after tokenizing
 
@@ -73,7 +82,7 @@ class ProjectHooks:
         self._user_uri = os.environ.get("MLFLOW_TRACKING_URI")
         uri = tracking.tracking_uri(self._tracking, self._project_path)
         resume = None
-        if "train_sft" in {node.name for node in pipeline.nodes}:
+        if trains:
             # a killed or preempted training continues its own run: one curve, one value per step
             resume = tracking.unfinished_run(self._project_path / self._params["sft"]["checkpoint_dir"], uri)
         self._run = tracking.start_run(
@@ -85,6 +94,7 @@ class ProjectHooks:
                 "kedro.pipelines": ",".join(p or "__default__" for p in pipelines),
                 "kedro.session_id": run_params.get("session_id"),
                 "mlflow.source.git.commit": tracking.git_commit(),
+                **session_tags,
             },
             run_id=resume,
         )
@@ -94,6 +104,7 @@ class ProjectHooks:
     def after_node_run(self, node, outputs: dict) -> None:
         from tunix_pipeline import tracking
 
+        self._results.update({k: v for k, v in outputs.items() if k in ("sft_result", "grpo_result")})
         if self._run is None:
             return
         for name, value in outputs.items():
@@ -101,12 +112,64 @@ class ProjectHooks:
                 tracking.log_output(name, value)
 
     @hook_impl
-    def after_pipeline_run(self) -> None:
+    def after_pipeline_run(self, catalog) -> None:
+        self._end_session(catalog, failed=False)
         self._finish(failed=False)
 
     @hook_impl
-    def on_pipeline_error(self) -> None:
+    def on_pipeline_error(self, catalog) -> None:
+        self._end_session(catalog, failed=True)
         self._finish(failed=True)
+
+    # ------------------------------------------------------------ sessions (tunix_pipeline.sessions)
+    def _ledger(self) -> Ledger:
+        return Ledger.load(self._runtime.output_root, self._sessions.previous_root)
+
+    def _begin_session(self) -> dict:
+        """Says what this session will do; refuses when the plan is done. Returns its MLflow tags."""
+        current = self._sessions.current if self._sessions else None
+        if current is None:
+            return {}
+        if current.plan_done:
+            raise SessionPlanDone(
+                f"every session of sessions.plan is finished (ledger: {self._runtime.output_root}/sessions.json); "
+                "add a session to the plan, or set runtime.output_root to a new folder to start over"
+            )
+        ledger = self._ledger()
+        log.info("%s", brief(self._sessions, ledger, self._params["sft"]))
+        if over_weekly_budget(self._sessions, ledger):
+            log.warning("session '%s' (%g h) runs past the weekly budget of %g h: Kaggle may stop it",
+                        current.name, current.hours, self._sessions.weekly_hours)
+        self._started = time.time()
+        parent = current.parent or {}
+        return {"session.name": current.name, "session.index": str(current.index + 1),
+                "session.parent": parent.get("session")}
+
+    def _end_session(self, catalog, failed: bool) -> None:
+        """Records the run in the ledger; the session is finished once its SFT (and GRPO) reached their steps."""
+        import jax
+
+        current = self._sessions.current if self._sessions else None
+        if current is None or not self._started or jax.process_index() != 0:
+            return
+        sft, grpo = self._results.get("sft_result"), self._results.get("grpo_result")
+        finished = not failed and sft is not None and not sft.get("stopped_early") \
+            and sft["latest_step"] is not None and (not grpo or not grpo.get("stopped_early"))
+        ledger = self._ledger()
+        run_id = self._run.info.run_id if self._run is not None else None
+        outcome = "failed" if failed else "finished" if finished else "stopped"
+        ledger.record_run(current.name, self._started, time.time() - self._started, run_id, outcome)
+        if finished:
+            entry = {"run_id": run_id, "checkpoint_dir": sft["checkpoint_dir"], "step": sft["latest_step"]}
+            base = catalog.load("base_model") if catalog.exists("base_model") else {}
+            if base.get("source") == "tiny" or Path(base.get("source", "")).is_dir():
+                entry["base_model_dir"] = base["path"]  # a local model (built: tiny): the next session needs this one
+            if grpo and grpo.get("enabled"):
+                entry.update(grpo_checkpoint_dir=grpo["checkpoint_dir"], grpo_step=grpo["latest_step"])
+            ledger.record_finished(current.index, current.name, entry)
+            log.info("session '%s' finished; the next `kedro run` starts the next session of the plan", current.name)
+        self._started = 0.0
+        self._results = {}
 
     def _finish(self, failed: bool) -> None:
         from tunix_pipeline import tracking

@@ -1,11 +1,11 @@
 """Kedro project settings."""
 
-from kedro.config import OmegaConfigLoader
-
 from tunix_pipeline.hooks import ProjectHooks
+from tunix_pipeline.sessions import SessionConfigLoader
 
 HOOKS = (ProjectHooks(),)
 
-CONFIG_LOADER_CLASS = OmegaConfigLoader
+# OmegaConfigLoader, plus the training session's parameters (sessions.plan)
+CONFIG_LOADER_CLASS = SessionConfigLoader
 # "soft" merge: an environment overrides single keys, not whole sections.
 CONFIG_LOADER_ARGS = {"base_env": "base", "default_run_env": "local", "merge_strategy": {"parameters": "soft"}}

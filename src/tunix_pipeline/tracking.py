@@ -1,7 +1,8 @@
 """MLflow tracking: the run's lifecycle, a Tunix metrics backend, and node outputs.
 
 Only JAX process 0 talks to MLflow. The default store is the embedded
-`sqlite:///mlflow.db`; `MLFLOW_TRACKING_URI` points at a server instead.
+`sqlite:///<output_root>/mlflow.db`, artifacts beside it in `mlruns/`;
+`MLFLOW_TRACKING_URI` points at a server instead.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import mlflow
 import numpy as np
 import pandas as pd
 
-from tunix_pipeline.config import TrackingParams
+from tunix_pipeline.config import TrackingParams, WandbParams
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on one parameter value
 COMPILE_EVENT = "jax/core/compile/backend_compile_duration"
@@ -60,6 +61,10 @@ def git_commit() -> str | None:
 def start_run(uri: str, params: TrackingParams, all_params: Mapping, tags: Mapping[str, str], run_id: str | None = None):
     """A new MLflow run, or the unfinished run `run_id` continued (a resumed training)."""
     mlflow.set_tracking_uri(uri)
+    if uri.startswith("sqlite:///") and mlflow.get_experiment_by_name(params.experiment) is None:
+        # artifacts beside the store (not in the working directory), so the output root holds everything
+        artifacts = Path(uri[len("sqlite:///") :]).parent / "mlruns" / params.experiment
+        mlflow.create_experiment(params.experiment, artifact_location=str(artifacts))
     mlflow.set_experiment(params.experiment)
     flat = {k: str(v)[:MAX_PARAM_LENGTH] for k, v in flatten(all_params).items()}
     if run_id is not None:
@@ -83,6 +88,12 @@ def remember_run(checkpoint_dir: str | Path) -> None:
     folder = Path(checkpoint_dir)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / RUN_FILE).write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": mlflow.get_tracking_uri()}))
+
+
+def recorded_run(checkpoint_dir: str | Path) -> str | None:
+    """The MLflow run that trained these checkpoints (None when it was not tracked)."""
+    path = Path(checkpoint_dir) / RUN_FILE
+    return json.loads(path.read_text())["run_id"] if path.is_file() else None
 
 
 def unfinished_run(checkpoint_dir: str | Path, uri: str) -> str | None:
@@ -201,3 +212,28 @@ class MlflowBackend:
 
     def close(self) -> None:
         pass
+
+
+def metrics_backends(tracking: TrackingParams, output_root: str, stage: str) -> list | None:
+    """Tunix metrics backends (factories) for process 0: the active MLflow run, and W&B when enabled."""
+    import jax
+
+    if jax.process_index() != 0:
+        return None
+    run = mlflow.active_run()
+    backends = [MlflowBackend] if run is not None else []
+    if tracking.wandb.enabled:
+        run_id = run.info.run_id if run is not None else None
+        backends.append(lambda: _wandb_backend(tracking.wandb, Path(output_root) / "wandb", stage, run_id))
+    return backends or None
+
+
+def _wandb_backend(params: WandbParams, folder: Path, stage: str, mlflow_run_id: str | None):
+    """Tunix's W&B backend; one W&B run per stage of an MLflow run, continued when that run resumes."""
+    from tunix.sft.metrics_logger import WandbBackend
+
+    folder.mkdir(parents=True, exist_ok=True)
+    kwargs = {"entity": params.entity, "mode": params.mode, "dir": str(folder), "group": mlflow_run_id}
+    if mlflow_run_id:
+        kwargs.update(id=f"{mlflow_run_id}-{stage}", resume="allow")
+    return WandbBackend(project=params.project, name=f"{stage}-{mlflow_run_id or 'untracked'}", **kwargs)

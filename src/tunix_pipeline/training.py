@@ -57,9 +57,12 @@ def make_mesh(runtime: RuntimeParams, devices=None) -> jax.sharding.Mesh:
         shape = {axis: runtime.mesh.get(axis, 1) for axis in MESH_AXES}
     size = int(np.prod(list(shape.values())))
     if size != len(devices):
+        # a pod slice seen from one worker: its processes were not joined into one JAX runtime
+        pod = size > len(devices) and jax.process_count() == 1
         raise MeshError(
             f"runtime.mesh {shape} needs {size} devices but JAX sees {len(devices)} "
             f"({devices[0].platform}); set `runtime.mesh: auto` or sizes whose product is {len(devices)}"
+            + ("; on a multi-host slice start every worker with `--params runtime.distributed=auto`" if pod else "")
         )
     return jax.make_mesh(
         tuple(shape.values()), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices
@@ -433,6 +436,7 @@ def train(
             log_dir=str(ckpt_dir / "logs"), backend_kwargs={"custom_backend": metrics_backends}
         )
     feed = BatchFeed(train_rows, batch_size, sft.seed, local)
+    sft = sft.steps_for(len(train_rows), batch_size)  # sft.epochs -> max_steps, now that the rows are known
     if sft.eval_every and len(eval_rows):
         feed.with_eval(eval_batches(eval_rows, batch_size, local))
     if sft.time_budget_hours:
@@ -461,6 +465,10 @@ def train(
 
     history = history + _new_losses(trainer, start_step)
     _save_history(ckpt_dir, history)
+    # multi-host: Orbax syncs every process before each save and after its finalisation, and the
+    # in-training evaluation is one SPMD program; this barrier lets no process go on to the next
+    # stage (evaluate, which restores the checkpoints) before process 0 has written the history too
+    _sync("sft_end")
     if feed.stop_reason == "SIGTERM":
         raise TrainingInterrupted(
             f"SIGTERM: saved a checkpoint at step {end_step} in {ckpt_dir}; "
@@ -575,3 +583,33 @@ def restore_latest(model, checkpoint_dir: str | Path) -> int:
     finally:
         manager.close()
     return step
+
+
+def start_from(model, parent_dir: str | Path, checkpoint_dir: str | Path) -> dict:
+    """Loads the parent run's latest checkpoint into `model` (a new run on its weights, `sft.init_from`).
+
+    Skipped when this run has checkpoints of its own: it was interrupted, and the
+    trainer resumes those. Returns the lineage: parent checkpoint, step and MLflow run.
+    """
+    from tunix_pipeline.tracking import recorded_run
+
+    parent = Path(parent_dir).resolve()
+    lineage = {"parent_checkpoint": str(parent), "parent_run_id": recorded_run(parent)}
+    if _latest_step(Path(checkpoint_dir).resolve()) is not None:
+        return {**lineage, "parent_step": _latest_step(parent) if parent.is_dir() else None}
+    if not parent.is_dir() or _latest_step(parent) is None:
+        raise FileNotFoundError(
+            f"sft.init_from: no checkpoint in {parent}; point it at a previous run's sft.checkpoint_dir "
+            "(on Kaggle: the attached dataset holding the last session's output)"
+        )
+    try:
+        step = restore_latest(model, parent)
+    except Exception as err:  # Orbax names the tree mismatch only deep inside its message
+        from tunix.sft import utils as sft_utils
+
+        raise ValueError(
+            f"sft.init_from: cannot load {parent} into this model (LoRA: {sft_utils.is_lora_enabled(model)}); "
+            f"the parent must have the same model.source and model.lora settings: {err}"
+        ) from err
+    log.info("starting from %s step %d (a new run: fresh optimizer, step 0)", parent, step)
+    return {**lineage, "parent_step": step}

@@ -1,12 +1,10 @@
-import jax
-import mlflow
 import pandas as pd
 
-from tunix_pipeline.config import GrpoParams, ModelParams, RuntimeParams
+from tunix_pipeline.config import GrpoParams, ModelParams, RuntimeParams, TrackingParams
 from tunix_pipeline.grpo import train_grpo
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
 from tunix_pipeline.rewards import RewardSet
-from tunix_pipeline.tracking import MlflowBackend
+from tunix_pipeline.tracking import metrics_backends
 from tunix_pipeline.training import make_mesh, restore_latest
 
 
@@ -17,6 +15,7 @@ def run_grpo(
     model: ModelParams,
     grpo: GrpoParams,
     runtime: RuntimeParams,
+    tracking: TrackingParams,
 ) -> dict:
     """GRPO from the latest SFT checkpoint; with `grpo.enabled: false` the SFT checkpoint passes through.
 
@@ -33,8 +32,8 @@ def run_grpo(
     step = restore_latest(network, sft_result["checkpoint_dir"])
     if step == 0:
         raise ValueError(f"grpo: no SFT checkpoint in {sft_result['checkpoint_dir']}; run the `sft` pipeline first")
-    live = mlflow.active_run() is not None and jax.process_index() == 0
-    result = train_grpo(network, tokenizer, train_formatted, grpo, mesh, [MlflowBackend] if live else None)
+    backends = metrics_backends(tracking, runtime.output_root, "grpo")
+    result = train_grpo(network, tokenizer, train_formatted, grpo, mesh, backends)
     return {
         **result,
         "sft_checkpoint_dir": sft_result["checkpoint_dir"],

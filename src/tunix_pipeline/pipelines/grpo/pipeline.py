@@ -10,7 +10,10 @@ def create_pipeline(**kwargs) -> Pipeline:
         [
             Node(
                 run_grpo,
-                inputs=["train_formatted", "base_model", "sft_result", "params:model", "params:grpo", "params:runtime"],
+                inputs=[
+                    "train_formatted", "base_model", "sft_result", "params:model", "params:grpo", "params:runtime",
+                    "params:tracking",
+                ],
                 outputs="grpo_result",
                 name="run_grpo",
             ),

@@ -2,10 +2,10 @@ import jax
 import mlflow
 import pandas as pd
 
-from tunix_pipeline.config import ModelParams, RuntimeParams, SftParams
+from tunix_pipeline.config import ModelParams, RuntimeParams, SftParams, TrackingParams
 from tunix_pipeline.models import load_run_model, parameter_counts
-from tunix_pipeline.tracking import MlflowBackend, remember_run
-from tunix_pipeline.training import make_mesh, train
+from tunix_pipeline.tracking import MlflowBackend, metrics_backends, remember_run
+from tunix_pipeline.training import global_batch_size, make_mesh, start_from, train
 
 
 def train_sft(
@@ -15,21 +15,35 @@ def train_sft(
     model: ModelParams,
     sft: SftParams,
     runtime: RuntimeParams,
+    tracking: TrackingParams,
 ) -> dict:
     mesh = make_mesh(runtime)
     network, _ = load_run_model(base_model["path"], model, mesh, remat=sft.remat)
     live = mlflow.active_run() is not None and jax.process_index() == 0
-    if live:
-        remember_run(sft.checkpoint_dir)
-    result = train(
-        network, train_tokens, eval_tokens, sft, mesh, [MlflowBackend] if live else None, runtime.peak_flops_per_device
-    )
-    if live:
-        MlflowBackend().fill_gaps("train/loss", result["loss_history"])
-    return {
-        **result,
+    lineage = start_from(network, sft.init_from, sft.checkpoint_dir) if sft.init_from else {}
+    if live and lineage:
+        mlflow.set_tags({f"lineage.{k}": v for k, v in lineage.items() if v is not None})
+    described = {
         **parameter_counts(network),
+        **lineage,
         "lora": model.lora is not None,
         "mesh": dict(mesh.shape),
         "base_model": base_model["path"],
     }
+    if sft.max_steps == 0:  # nothing to train this session: the parent checkpoint is the result
+        batch_size = global_batch_size(sft, mesh)
+        return {
+            "checkpoint_dir": lineage["parent_checkpoint"], "latest_step": lineage["parent_step"],
+            "steps_this_run": 0, "stopped_early": None, "loss_history": [], "first_loss": None, "last_loss": None,
+            "global_batch_size": batch_size * sft.gradient_accumulation_steps, "micro_batch_size": batch_size,
+            **described,
+        }
+    if live:
+        remember_run(sft.checkpoint_dir)
+    result = train(
+        network, train_tokens, eval_tokens, sft, mesh,
+        metrics_backends(tracking, runtime.output_root, "sft"), runtime.peak_flops_per_device,
+    )
+    if live:
+        MlflowBackend().fill_gaps("train/loss", result["loss_history"])
+    return {**result, **described}

@@ -21,7 +21,10 @@ def create_pipeline(**kwargs) -> Pipeline:
             ),
             Node(
                 train_sft,
-                inputs=["train_tokens", "eval_tokens", "planned_base_model", "params:model", "params:sft", "params:runtime"],
+                inputs=[
+                    "train_tokens", "eval_tokens", "planned_base_model", "params:model", "params:sft",
+                    "params:runtime", "params:tracking",
+                ],
                 outputs="sft_result",
                 name="train_sft",
             ),
