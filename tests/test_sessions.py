@@ -92,14 +92,15 @@ class _Messages(logging.Handler):
 
 
 @pytest.mark.slow
-def test_two_sessions_continue_on_new_data_with_lineage(project):
-    """Session 1 trains on GSM8K-style rows; session 2 starts from its checkpoint on the Alpaca-style rows."""
+def test_sessions_continue_on_new_data_with_lineage(project):
+    """Session 1 trains on GSM8K-style rows; session 2 starts from its checkpoint on the Alpaca-style rows;
+    session 3 polishes session 2's model with GRPO only."""
     env = project / "conf" / "two_sessions"
     env.mkdir()
     raw = "data/01_raw"
     (env / "parameters.yml").write_text(yaml.safe_dump({
         "sft": {"max_steps": 40, "checkpoint_every": 20},
-        "plan": {"enabled": False},
+        "plan": {"xla_check": {"enabled": False}},
         "sessions": {
             "weekly_hours": 20,
             "plan": [
@@ -108,15 +109,17 @@ def test_two_sessions_continue_on_new_data_with_lineage(project):
                 {"name": "alpaca", "hours": 1,
                  "params": {"ingest": {"sources": [{"name": "alpaca", "path": f"{raw}/arith_alpaca.csv", "format": "alpaca"}]},
                             "sft": {"max_steps": 10, "learning_rate": 0.001, "warmup_steps": 2}}},
+                # no SFT, one GRPO step on session 2's model
+                {"name": "polish", "hours": 1, "params": {"sft": {"max_steps": 0}, "grpo": {"max_steps": 1}}},
             ],
         },
     }))
     bootstrap_project(project)
     models = project / "data" / "06_models"
 
-    def run():
+    def run(stages=STAGES):
         with KedroSession.create(project_path=project, env="two_sessions") as session:
-            session.run(pipeline_names=STAGES)
+            session.run(pipeline_names=stages)
         return json.loads((models / "sft_result.json").read_text())
 
     first = run()
@@ -128,8 +131,9 @@ def test_two_sessions_continue_on_new_data_with_lineage(project):
         second = run()
     finally:
         logging.getLogger("tunix_pipeline.hooks").removeHandler(messages)
-    brief = next(m for m in messages.seen if m.startswith("session 2 of 2"))
+    brief = next(m for m in messages.seen if m.startswith("session 2 of 3"))
     assert "continues from session 'gsm' (step 40" in brief and "10 SFT steps" in brief and "of 20 h" in brief
+    assert any(m.startswith("session 'alpaca' expects about") and "within its 1 h" in m for m in messages.seen)
 
     # a new run on the parent's weights: step 0, a fresh schedule, the new data, its own checkpoints
     assert (second["resumed_from_step"], second["latest_step"], second["steps_this_run"]) == (0, 10, 10)
@@ -149,9 +153,17 @@ def test_two_sessions_continue_on_new_data_with_lineage(project):
     assert child.data.tags["lineage.parent_step"] == "40"
     assert (child.data.tags["session.name"], child.data.tags["session.parent"]) == ("alpaca", "gsm")
 
+    # session 3: GRPO only, on session 2's checkpoint, which passes through SFT untouched
+    third = run(STAGES + ["grpo"])
+    assert (third["steps_this_run"], third["checkpoint_dir"], third["latest_step"]) == (0, second["checkpoint_dir"], 10)
+    grpo = json.loads((models / "grpo_result.json").read_text())
+    assert (grpo["sft_checkpoint_dir"], grpo["sft_step"], grpo["latest_step"]) == (second["checkpoint_dir"], 10, 1)
+    assert grpo["checkpoint_dir"].endswith("grpo_checkpoints/polish/actor")
+
     ledger = json.loads((project / "data" / "sessions.json").read_text())
-    assert [r["outcome"] for r in ledger["runs"]] == ["finished", "finished"]
-    assert set(ledger["finished"]) == {"gsm", "alpaca"}
+    assert [r["outcome"] for r in ledger["runs"]] == ["finished"] * 3
+    assert set(ledger["finished"]) == {"gsm", "alpaca", "polish"}
+    assert ledger["finished"]["polish"]["grpo_checkpoint_dir"] == "06_models/grpo_checkpoints/polish/actor"
 
     with pytest.raises(SessionPlanDone, match="every session of sessions.plan is finished"):
         run()

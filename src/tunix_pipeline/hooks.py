@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from tunix_pipeline.config import RuntimeParams, TrackingParams
 from tunix_pipeline.runtime import configure_host_devices, initialize_distributed
-from tunix_pipeline.sessions import Ledger, SessionPlanDone, SessionsParams, brief, over_weekly_budget
+from tunix_pipeline.sessions import Ledger, SessionPlanDone, SessionsParams, brief, expectation, over_weekly_budget
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,10 @@ class ProjectHooks:
         from tunix_pipeline import tracking
 
         self._results.update({k: v for k, v in outputs.items() if k in ("sft_result", "grpo_result")})
+        planned = (outputs.get("sft_plan") or {}).get("hours")
+        if planned is not None and self._started and self._sessions.current:
+            message, over = expectation(self._sessions, self._ledger(), planned)
+            log.log(logging.WARNING if over else logging.INFO, "%s", message)
         if self._run is None:
             return
         for name, value in outputs.items():

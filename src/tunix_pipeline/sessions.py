@@ -187,6 +187,18 @@ def brief(sessions: SessionsParams, ledger: Ledger, sft: dict) -> str:
     return "; ".join(lines)
 
 
+def expectation(sessions: SessionsParams, ledger: Ledger, planned_hours: float) -> tuple[str, bool]:
+    """The plan's estimate against the session's hours and the week's; True when it will not fit the session."""
+    current = sessions.current
+    message = f"session '{current.name}' expects about {planned_hours:.1f} h of SFT (plan) within its {current.hours:g} h"
+    if sessions.weekly_hours:
+        message += f"; the week has {sessions.weekly_hours - ledger.hours_this_week():.1f} h left"
+    over = planned_hours > current.hours
+    if over:
+        message += "; it will stop in time to save a checkpoint, and the next run resumes it"
+    return message, over
+
+
 def over_weekly_budget(sessions: SessionsParams, ledger: Ledger) -> bool:
     if not sessions.weekly_hours:
         return False

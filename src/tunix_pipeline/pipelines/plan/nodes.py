@@ -33,7 +33,7 @@ def check_sft_fits(
 
     Passes `base_model` through, so the training node runs after it.
     """
-    if not plan.enabled:
+    if not plan.enabled or sft.max_steps == 0:  # off, or no SFT this session
         return base_model, {"status": "skipped"}
     seq_len = len(train_tokens["input_tokens"].iloc[0]) if len(train_tokens) else None
     result = build_plan(model, sft, runtime, tokenize, plan, base_model.get("path"), seq_len, len(train_tokens))
