@@ -155,3 +155,16 @@ def test_split_completion_formats():
 def test_source_needs_exactly_one_location():
     with pytest.raises(ValueError, match="exactly one of `path` or `hf`"):
         SourceParams(name="x", format="gsm8k")
+
+
+def test_prose_with_markdown_headings_is_not_a_gsm8k_answer(tmp_path):
+    # a legal Q&A row (seed 001's prompt/response shape): "#### Heading" followed by more lines is prose
+    answer = "#### Issue\nWhether the contract is void.\n\n#### Conclusion\nIt is voidable, not void."
+    path = _jsonl(tmp_path / "law.jsonl", [{"question": "Is a contract signed under duress void?", "answer": answer,
+                                              "reasoning": "Step 1: duress vitiates consent."}])
+    train, _, _ = ingest(_params(SourceParams(name="law", path=path, format="prompt_response",
+                                              columns={"prompt": "question", "response": "answer"})))
+    assert train.iloc[0][["reasoning", "answer"]].tolist() == ["Step 1: duress vitiates consent.", answer]
+    # GSM8K's own marker still ends in the one-line final answer
+    assert split_completion("a\n#### 1,234\n") == ("a", "1234")
+    assert split_completion("#### Heading\nbody") == ("", "#### Heading\nbody")

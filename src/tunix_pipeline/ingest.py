@@ -127,10 +127,14 @@ def split_completion(text: str) -> tuple[str, str]:
         return tagged.group(1).strip(), tagged.group(2).strip()
     if "####" in text:
         reasoning, _, answer = text.rpartition("####")
-        answer = answer.strip().replace(",", "")
-        if not answer:
-            raise BadRow("nothing after '####'")
-        return reasoning.strip(), answer
+        answer = answer.strip()
+        # GSM8K's marker ends the text with one line; prose (e.g. a legal answer in Markdown) may
+        # hold "#### Heading" followed by more lines: that is not a final answer, keep the text whole
+        if "\n" not in answer:
+            answer = answer.replace(",", "")
+            if not answer:
+                raise BadRow("nothing after '####'")
+            return reasoning.strip(), answer
     return "", text.strip()
 
 

@@ -151,11 +151,22 @@ def make_job(arch: Architecture, model: ModelParams, sft: SftParams, runtime: Ru
     tp = (mesh or {}).get("tp", 1)
     data_parallel = devices // tp if mesh is None or _mesh_size(mesh) != devices else _mesh_size(mesh) // tp
     mode = "full" if model.lora is None else ("qlora" if model.lora.quantize else "lora")
+    micro_batch = sft.per_device_batch_size * max(data_parallel, 1)
+    if sft.epochs is not None:
+        if not train_rows:
+            raise PlanError(
+                f"sft.epochs: {sft.epochs:g} needs the number of training rows to plan the steps: set "
+                "plan.train_rows (the sft preflight counts the tokenized rows itself)"
+            )
+        try:
+            sft = sft.steps_for(train_rows, micro_batch)
+        except ValueError as err:
+            raise PlanError(str(err)) from None
     return Job(
         arch=arch,
         seq_len=seq_len,
         per_device_batch=sft.per_device_batch_size,
-        global_batch=sft.per_device_batch_size * max(data_parallel, 1) * sft.gradient_accumulation_steps,
+        global_batch=micro_batch * sft.gradient_accumulation_steps,
         max_steps=sft.max_steps,
         checkpoint_every=sft.checkpoint_every,
         param_dtype=model.dtype,
@@ -366,6 +377,13 @@ def make_plan(job: Job, plan: PlanParams, selected: tuple[str, HardwareProfile])
         )
     if chosen.sessions == 0:
         warnings.append("not one step fits in a session after set-up and a checkpoint")
+    if chosen.setup.data > 1:
+        # Tunix's models constrain activations to (fsdp, ..., tp): a `data` axis is gathered, not split
+        warnings.append(
+            f"runtime.mesh has data: {chosen.setup.data}: Tunix's models split activations over fsdp (and tp) "
+            "only, so every device computes all the rows of its data group, using more memory and time than "
+            "estimated here; put the data-parallel devices on fsdp instead (runtime.mesh: auto)"
+        )
     if status == "ok" and warnings:
         status = "risky"
     return Plan(
