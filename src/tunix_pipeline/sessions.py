@@ -16,7 +16,6 @@ state and step; a new session starts from its parent's weights at step 0.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from pathlib import Path
 
@@ -26,7 +25,6 @@ from pydantic import BaseModel, Field
 
 from tunix_pipeline.config import Strict
 
-log = logging.getLogger(__name__)
 
 LEDGER = "sessions.json"
 PATH_KEYS = ("checkpoint_dir", "grpo_checkpoint_dir", "base_model_dir")  # stored relative to the root when under it
@@ -124,7 +122,6 @@ def apply_current_session(params: dict, runtime_params: dict | None = None) -> d
     if not sessions.plan:
         return params
     ledger = Ledger.load(params["runtime"]["output_root"], sessions.previous_root)
-    done = [s for s in sessions.plan if ledger.finished(s.name)]
     index = next((i for i, s in enumerate(sessions.plan) if not ledger.finished(s.name)), None)
     plan_done = index is None
     if plan_done:
@@ -145,7 +142,6 @@ def apply_current_session(params: dict, runtime_params: dict | None = None) -> d
     merged = OmegaConf.merge(params, overrides, session.params, runtime_params or {})
     result = OmegaConf.to_container(merged, resolve=True)
     result["sessions"]["current"] = current.model_dump()
-    log.debug("session %s (%d of %d; %d finished)", session.name, index + 1, len(sessions.plan), len(done))
     return result
 
 
