@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 export DO_NOT_TRACK := 1
 export KEDRO_DISABLE_TELEMETRY := true
 
-.PHONY: smoke test viz clean
+.PHONY: smoke test viz clean bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ smoke: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest
+
+# throughput benchmarks (torch from the test extra is the PyTorch baseline); writes benchmarks/results/latest.json
+bench: $(VENV)/.installed-test
+	$(BIN)/python benchmarks/run_all.py
 
 viz: $(VENV)/.installed
 	$(BIN)/kedro viz build

@@ -1,0 +1,84 @@
+"""The benchmark scripts run (on a tiny size, in seconds); no timing is asserted here."""
+
+import jax
+import pytest
+
+from benchmarks import common, cpu_sft, gpu_sft, tokenize_rows
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return common.write_gemma_folder(tmp_path_factory.mktemp("bench") / "gemma", common.GEMMA_TINY)
+
+
+def _worker(name, folder, *extra):
+    return cpu_sft.main(
+        ["--worker", name, "--model", str(folder), "--size", "tiny", "--batch", "2", "--seq", "32",
+         "--steps", "2", "--warmup", "0", *extra]
+    )
+
+
+def test_the_same_folder_feeds_ours_tunix_and_torch_with_the_same_first_loss(tiny_folder):
+    from tunix_pipeline.models import load_model
+
+    model, _ = load_model(tiny_folder, None)
+    params = sum(x.size for x in jax.tree.leaves(__import__("flax").nnx.state(model)))
+    assert params == common.parameter_count(common.GEMMA_TINY)
+
+    ours = _worker("ours", tiny_folder)
+    tunix = _worker("tunix_default", tiny_folder)
+    torch = _worker("torch", tiny_folder)
+    for result in (ours, tunix, torch):
+        assert result["steps_timed"] == 2 and result["tokens_per_s"] > 0 and result["peak_rss_mb"] > 0
+    assert ours["train_step_compiles"] == 1 and tunix["train_step_compiles"] == 1
+    # identical weights, batches and loss definition: the first losses agree across frameworks
+    assert ours["first_loss"] == pytest.approx(tunix["first_loss"], rel=1e-4)
+    assert ours["first_loss"] == pytest.approx(torch["first_loss"], rel=1e-4)
+
+
+def test_ratios_and_targets_are_computed_from_the_contenders():
+    out = {
+        "matmul": {"matmul_peak_gflops": 200.0},
+        "ours": {"tokens_per_s": 1000.0, "gflops_per_s": 130.0},
+        "tunix_default": {"tokens_per_s": 700.0, "gflops_per_s": 91.0},
+        "torch": {"tokens_per_s": 400.0, "gflops_per_s": 52.0},
+    }
+    r = cpu_sft._ratios(out)
+    assert r["ours_mfu"] == pytest.approx(0.65)
+    assert r["ours_vs_tunix_default"] == pytest.approx(1000 / 700)
+    assert r["targets"] == {"ours_mfu >= 0.60": True, "ours_vs_tunix_default >= 1.3": True, "ours_vs_torch >= 2": True}
+
+
+def test_tokenize_benchmark_compares_the_stage_with_a_plain_call():
+    result = tokenize_rows.main(["--rows", "200", "--repeats", "1"])
+    assert result["rows"] == 200 and result["ours_rows_per_s"] > 0 and result["plain_rows_per_s"] > 0
+
+
+def test_gpu_benchmark_skips_cleanly_without_a_gpu():
+    if gpu_sft.gpu_devices():
+        pytest.skip("a GPU is present: the real benchmark runs instead")
+    assert gpu_sft.main([])["skipped"] == "no GPU"
+
+
+def test_gpu_peak_table_knows_the_usual_cards():
+    assert gpu_sft.table_peak("NVIDIA H100 80GB HBM3") == 989e12
+    assert gpu_sft.table_peak("NVIDIA A100-SXM4-40GB") == 312e12
+    assert gpu_sft.table_peak("Tesla T4") == 65e12
+    assert gpu_sft.table_peak("some new card") is None
+
+
+def test_the_trainer_builds_its_steps_with_the_cpu_compile_options():
+    from flax import nnx
+
+    from tunix_pipeline import training
+
+    options = training.step_compiler_options()
+    assert options == training.CPU_COMPILER_OPTIONS  # JAX runs on the CPU here
+    original = jax.jit
+    with training._jit_with_options(options):
+        step = nnx.jit(lambda x: x + 1)
+    assert jax.jit is original
+    info = getattr(step.jitted_fn, "_jit_info", None)
+    if info is not None:  # a private detail of jax.jit: checked where it exists
+        assert dict(info.compiler_options_kvs) == options
+    assert int(step(jax.numpy.ones(()))) == 2
