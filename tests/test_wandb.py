@@ -23,6 +23,7 @@ def test_training_curves_reach_mlflow_and_wandb(tmp_path, tiny_model_dir, tokeni
                     checkpoint_every=4, checkpoint_dir=str(tmp_path / "ckpt"))
     tracking = TrackingParams(wandb={"enabled": True, "mode": "offline", "project": "test"})
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_experiment("wandb_test")  # not the experiment an earlier test left active in another store
     with mlflow.start_run() as run:
         backends = metrics_backends(tracking, str(tmp_path), "sft")
         assert backends[0] is MlflowBackend and len(backends) == 2

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import subprocess
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -174,6 +175,9 @@ class MlflowBackend:
     logged as `train/loss` at the event's step. In a continued run, steps that
     are already logged are skipped: a resumed training replays the steps after
     its checkpoint with the same values, and MLflow keeps one value per step.
+
+    A step's metrics are written together (one database write, not one per
+    metric) when the next step's first metric arrives, or at `close`.
     """
 
     def __init__(self):
@@ -183,6 +187,8 @@ class MlflowBackend:
         self._client = mlflow.MlflowClient()
         self._run_id = run.info.run_id
         self._logged_until: dict[str, int] = {}
+        self._pending: list[mlflow.entities.Metric] = []
+        self._pending_step: int | None = None
 
     def last_logged_step(self, name: str) -> int:
         if name not in self._logged_until:
@@ -199,7 +205,10 @@ class MlflowBackend:
         step = int(kwargs.get("step") or 0)
         if number is None or (step and step <= self.last_logged_step(name)):
             return
-        self._client.log_metric(self._run_id, name, number, step=step)
+        if step != self._pending_step:
+            self.flush()
+        self._pending.append(mlflow.entities.Metric(name, number, int(time.time() * 1000), step))
+        self._pending_step = step
         if step:
             self._logged_until[name] = step
 
@@ -210,8 +219,13 @@ class MlflowBackend:
             if entry["step"] not in logged:
                 self._client.log_metric(self._run_id, name, entry["loss"], step=entry["step"])
 
+    def flush(self) -> None:
+        if self._pending:
+            self._client.log_batch(self._run_id, metrics=self._pending)
+            self._pending = []
+
     def close(self) -> None:
-        pass
+        self.flush()
 
 
 def metrics_backends(tracking: TrackingParams, output_root: str, stage: str) -> list | None:
