@@ -70,6 +70,7 @@ class ProjectHooks:
         from tunix_pipeline import tracking
         from tunix_pipeline.training import make_mesh
 
+        self._results, self._started = {}, 0.0  # the hooks object outlives a run (notebooks, tests): nothing carries over
         trains = "train_sft" in {node.name for node in pipeline.nodes}
         session_tags = self._begin_session() if trains else {}
         if "params:runtime" in pipeline.inputs():
@@ -172,8 +173,6 @@ class ProjectHooks:
                 entry.update(grpo_checkpoint_dir=grpo["checkpoint_dir"], grpo_step=grpo["latest_step"])
             ledger.record_finished(current.index, current.name, entry)
             log.info("session '%s' finished; the next `kedro run` starts the next session of the plan", current.name)
-        self._started = 0.0
-        self._results = {}
 
     def _finish(self, failed: bool) -> None:
         from tunix_pipeline import tracking
