@@ -173,7 +173,10 @@ def run_json(args: list[str], timeout: float, env: dict | None = None) -> dict:
     return out
 
 
-def emit(result: dict) -> None:
+def emit(result: dict, out: str | None = None) -> None:
+    """Prints the result as one JSON line; also writes it, indented, to `out` when given."""
+    if out:
+        Path(out).write_text(json.dumps(result, indent=2, default=float))
     print(json.dumps(result, default=float), flush=True)
 
 

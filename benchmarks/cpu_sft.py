@@ -413,9 +413,7 @@ def main(argv=None) -> dict:
         result = WORKERS[args.worker](args)
     else:
         result = run(args)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2, default=float))
-    common.emit(result)
+    common.emit(result, args.out)
     return result
 
 

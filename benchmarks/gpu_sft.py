@@ -15,7 +15,6 @@ in its own process. Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -225,9 +224,7 @@ def main(argv=None) -> dict:
     p.add_argument("--worker", choices=["ours", "tunix_default"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     result = worker(args) if args.worker else run(args)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2, default=float))
-    common.emit(result)
+    common.emit(result, args.out)
     return result
 
 

@@ -165,9 +165,7 @@ def main(argv=None) -> dict:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     result = worker(Path(args.worker)) if args.worker else run(args)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2, default=float))
-    common.emit(result)
+    common.emit(result, args.out)
     return result
 
 

@@ -117,11 +117,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out")
     args = p.parse_args(argv)
     result = run(args)
-    if args.out:
-        import json
-
-        Path(args.out).write_text(json.dumps(result, indent=2, default=float))
-    common.emit(result)
+    common.emit(result, args.out)
     return result
 
 
