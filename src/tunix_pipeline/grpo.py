@@ -16,7 +16,6 @@ What we add around Tunix, through its own seams:
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ import pandas as pd
 from tunix_pipeline import tracking
 from tunix_pipeline.config import GrpoParams
 from tunix_pipeline.rewards import RewardSet
+from tunix_pipeline.training import load_history, save_history
 
 log = logging.getLogger(__name__)
 HISTORY_FILE = "grpo_history.json"
@@ -149,20 +149,6 @@ def _history_of(logger, prefix: str, name: str) -> np.ndarray:
     return np.array([])
 
 
-def _load_history(root: Path, upto_step: int) -> list[dict]:
-    path = root / HISTORY_FILE
-    if not upto_step or not path.is_file():
-        return []
-    return [h for h in json.loads(path.read_text()) if h["step"] <= upto_step]
-
-
-def _save_history(root: Path, history: list[dict]) -> None:
-    if jax.process_index() != 0:
-        return
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / (HISTORY_FILE + ".tmp")
-    tmp.write_text(json.dumps(history))
-    tmp.replace(root / HISTORY_FILE)
 
 
 # ---------------------------------------------------------------- the run
@@ -238,7 +224,7 @@ def train_grpo(
             actor=model, reference=reference, tokenizer=tokenizer, cluster_config=cluster_config
         )
         start_step = cluster.actor_trainer.train_steps
-        history = _load_history(root, start_step)
+        history = load_history(root, start_step, HISTORY_FILE)
         started = time.perf_counter()
         if start_step >= params.max_steps:
             log.info("grpo: checkpoint step %d already reaches grpo.max_steps=%d; nothing to train",
@@ -258,7 +244,7 @@ def train_grpo(
         end_step = cluster.actor_trainer.train_steps
 
     history += _new_history(cluster.actor_trainer.metrics_logger, rewards, start_step, end_step, params)
-    _save_history(root, history)
+    save_history(root, history, HISTORY_FILE)
     first, last = (history[0], history[-1]) if history else ({}, {})
     return {
         "enabled": True,

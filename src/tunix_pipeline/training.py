@@ -524,7 +524,7 @@ def train(
         )
         trainer.with_data_hooks(feed)
         start_step = trainer.train_steps
-        history = _load_history(ckpt_dir, start_step)
+        history = load_history(ckpt_dir, start_step)
         _record_history_with_checkpoints(trainer, ckpt_dir, history, start_step)
         if start_step:
             log.info("resuming SFT from checkpoint step %d in %s", start_step, ckpt_dir)
@@ -535,7 +535,7 @@ def train(
         end_step = trainer.train_steps
 
     history = history + _new_losses(trainer, start_step)
-    _save_history(ckpt_dir, history)
+    save_history(ckpt_dir, history)
     # multi-host: Orbax syncs every process before each save and after its finalisation, and the
     # in-training evaluation is one SPMD program; this barrier lets no process go on to the next
     # stage (evaluate, which restores the checkpoints) before process 0 has written the history too
@@ -615,7 +615,7 @@ def _record_history_with_checkpoints(trainer, ckpt_dir: Path, history: list[dict
     def save_and_record(step, *args, **kwargs):
         saved = save(step, *args, **kwargs)
         if saved:
-            _save_history(ckpt_dir, history + _new_losses(trainer, start_step))
+            save_history(ckpt_dir, history + _new_losses(trainer, start_step))
         return saved
 
     manager.save = save_and_record
@@ -627,20 +627,21 @@ def _history_of(trainer, name: str) -> np.ndarray:
     return np.asarray(trainer.metrics_logger.get_metric_history("", name, "train"), dtype=np.float64).ravel()
 
 
-def _load_history(ckpt_dir: Path, upto_step: int) -> list[dict]:
-    path = ckpt_dir / HISTORY_FILE
+def load_history(ckpt_dir: Path, upto_step: int, name: str = HISTORY_FILE) -> list[dict]:
+    """The per-step history saved beside the checkpoints, up to the restored step."""
+    path = ckpt_dir / name
     if not upto_step or not path.is_file():
         return []
     return [h for h in json.loads(path.read_text()) if h["step"] <= upto_step]
 
 
-def _save_history(ckpt_dir: Path, history: list[dict]) -> None:
+def save_history(ckpt_dir: Path, history: list[dict], name: str = HISTORY_FILE) -> None:
     if jax.process_index() != 0:
         return
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt_dir / (HISTORY_FILE + ".tmp")
+    tmp = ckpt_dir / (name + ".tmp")
     tmp.write_text(json.dumps(history))
-    tmp.replace(ckpt_dir / HISTORY_FILE)
+    tmp.replace(ckpt_dir / name)
 
 
 def restore_latest(model, checkpoint_dir: str | Path) -> int:
