@@ -8,8 +8,10 @@ head, 256128-token vocabulary), random weights, bf16 weights and compute, AdamW,
 one GPU (mesh auto). Reports tokens/s, step time, compile time, device memory
 and MFU against the card's dense bf16 peak (a table of known cards, and a
 measured large bf16 `jnp.dot`), for `ours` (`training.train` as the sft node
-runs it) and `tunix_default` (Tunix's PeftTrainer with its one-hot loss), each
-in its own process. Prints one JSON object.
+runs it), `tunix_default` (Tunix's PeftTrainer with its one-hot loss) and
+`torch` (transformers' Gemma in PyTorch, sdpa attention, fused AdamW), each in
+its own process; MFU counts the same FLOPs per step for all three. Prints one
+JSON object.
 """
 
 from __future__ import annotations
@@ -175,6 +177,47 @@ def worker(args) -> dict:
     }
 
 
+def worker_torch(args) -> dict:
+    """The same model, batch and optimizer in PyTorch: transformers' Gemma (sdpa attention), bf16, fused AdamW."""
+    import numpy as np
+    import torch
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    spec = GEMMA_2B if args.size == "2b" else common.GEMMA_TINY
+    config = GemmaConfig(
+        vocab_size=spec["vocab_size"], hidden_size=spec["hidden_size"], intermediate_size=spec["intermediate_size"],
+        num_hidden_layers=spec["num_layers"], num_attention_heads=spec["num_heads"],
+        num_key_value_heads=spec["num_kv_heads"], head_dim=spec["head_dim"], attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = GemmaForCausalLM(config).to(device="cuda", dtype=getattr(torch, args.dtype))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
+    rows = common.token_rows(args.batch * 4, args.seq, spec["vocab_size"], seed=0)
+    tokens = np.stack(rows["input_tokens"].to_numpy())
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        ids = torch.from_numpy(tokens[(step % 4) * args.batch : (step % 4 + 1) * args.batch].astype(np.int64)).cuda()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss))  # syncs
+        times.append(time.perf_counter() - t)
+    median = float(np.median(times[args.warmup :]))
+    return {
+        "step_seconds_median": median,
+        "steps_timed": args.steps,
+        "tokens_per_s": args.batch * args.seq / median,
+        "peak_device_memory_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "torch_version": torch.__version__,
+    }
+
+
 def run(args) -> dict:
     base = {"benchmark": "gpu_sft", "machine": common.describe(common.machine())}
     devices = gpu_devices()
@@ -194,19 +237,21 @@ def run(args) -> dict:
     }
     out["bf16_peak_flops_measured"] = measured_peak(seconds=1.0, n=8192 if devices else 512)
     peak = out["bf16_peak_flops_table"] or out["bf16_peak_flops_measured"]
-    for name in ("ours", "tunix_default"):
+    for name in ("ours", "tunix_default", "torch"):
         cmd = [
             str(Path(__file__).resolve()), "--worker", name, "--size", args.size, "--dtype", args.dtype,
             "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
         ]
         out[name] = common.run_json(cmd, timeout=args.timeout, env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"})
-        tf = out[name].get("tflops_per_s")
-        if tf:
-            out[name]["mfu"] = tf * 1e12 / peak
-    ours, tunix = (out[n].get("tokens_per_s") for n in ("ours", "tunix_default"))
-    out["ours_tokens_per_s"], out["tunix_default_tokens_per_s"] = ours, tunix
+    flops = next((out[n]["flops_per_step"] for n in ("ours", "tunix_default") if "flops_per_step" in out[n]), None)
+    for name in ("ours", "tunix_default", "torch"):
+        if flops and out[name].get("step_seconds_median"):  # the same FLOPs per step for all three
+            out[name]["mfu"] = flops / out[name]["step_seconds_median"] / peak
+    ours, tunix, torch = (out[n].get("tokens_per_s") for n in ("ours", "tunix_default", "torch"))
+    out["ours_tokens_per_s"], out["tunix_default_tokens_per_s"], out["torch_tokens_per_s"] = ours, tunix, torch
     out["ours_mfu"] = out["ours"].get("mfu")
     out["ours_vs_tunix_default"] = ours / tunix if ours and tunix else None
+    out["ours_vs_torch"] = ours / torch if ours and torch else None
     return out
 
 
@@ -221,9 +266,9 @@ def main(argv=None) -> dict:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--force-cpu", action="store_true", help="run on the CPU anyway (to test the script: --size tiny)")
     p.add_argument("--out")
-    p.add_argument("--worker", choices=["ours", "tunix_default"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["ours", "tunix_default", "torch"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    result = worker(args) if args.worker else run(args)
+    result = (worker_torch(args) if args.worker == "torch" else worker(args)) if args.worker else run(args)
     common.emit(result, args.out)
     return result
 
