@@ -190,14 +190,16 @@ def worker_torch(args) -> dict:
         num_key_value_heads=spec["num_kv_heads"], head_dim=spec["head_dim"], attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    model = GemmaForCausalLM(config).to(device="cuda", dtype=getattr(torch, args.dtype))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only under --force-cpu
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    model = GemmaForCausalLM(config).to(device=device, dtype=getattr(torch, args.dtype))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=device == "cuda")
     rows = common.token_rows(args.batch * 4, args.seq, spec["vocab_size"], seed=0)
     tokens = np.stack(rows["input_tokens"].to_numpy())
     times, losses = [], []
     for step in range(args.warmup + args.steps):
-        ids = torch.from_numpy(tokens[(step % 4) * args.batch : (step % 4 + 1) * args.batch].astype(np.int64)).cuda()
-        torch.cuda.synchronize()
+        ids = torch.from_numpy(tokens[(step % 4) * args.batch : (step % 4 + 1) * args.batch].astype(np.int64)).to(device)
+        sync()
         t = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -211,7 +213,7 @@ def worker_torch(args) -> dict:
         "step_seconds_median": median,
         "steps_timed": args.steps,
         "tokens_per_s": args.batch * args.seq / median,
-        "peak_device_memory_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "peak_device_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
         "first_loss": losses[0],
         "last_loss": losses[-1],
         "torch_version": torch.__version__,
