@@ -21,7 +21,7 @@ from tunix_pipeline.models import (
 from tunix_pipeline.models.families import family_for
 from tunix_pipeline.training import make_mesh, train
 
-from .parity import reference_logits, sample_batch, save_hf_model
+from .parity import logits_atol, reference_logits, sample_batch, save_hf_model
 
 MESH = RuntimeParams(mesh={"fsdp": 4, "tp": 2})
 GEMMA = dict(
@@ -54,10 +54,9 @@ def _train(model, mesh, tmp_path, steps=3):
 
 def _assert_transformers_agrees(model, folder):
     tokens, mask = sample_batch(256, seed=1)
+    theirs = reference_logits(folder, tokens, mask)[mask.astype(bool)]
     np.testing.assert_allclose(
-        compute_logits(model, tokens, mask)[mask.astype(bool)],
-        reference_logits(folder, tokens, mask)[mask.astype(bool)],
-        atol=1e-4, rtol=0,
+        compute_logits(model, tokens, mask)[mask.astype(bool)], theirs, atol=logits_atol(folder, theirs), rtol=0
     )
 
 
@@ -68,7 +67,7 @@ def test_full_fine_tune_exports_a_folder_transformers_loads(gemma_dir, tmp_path)
     before = compute_logits(model, *sample_batch(256))
     result = _train(model, mesh, tmp_path)
     assert result["last_loss"] < result["first_loss"]
-    assert not np.allclose(before, compute_logits(model, *sample_batch(256)))
+    assert not np.allclose(before, compute_logits(model, *sample_batch(256)))  # training moved them by far more
     out = export_pretrained(model, tmp_path / "export")
     assert {"config.json", "generation_config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
     _assert_transformers_agrees(model, out)
@@ -86,6 +85,7 @@ def test_lora_training_updates_only_adapters_and_exports_merged(gemma_dir, tmp_p
     _train(model, mesh, tmp_path)
     after = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
              if not isinstance(v, nnx.LoRAParam)}
+    # bitwise: frozen weights are never written, not even with a rounding error
     assert all(np.array_equal(base[k], after[k]) for k in base), "LoRA training changed a base weight"
     checkpoint = tmp_path / "ckpt" / "3" / "model_params"
     assert checkpoint.is_dir()
@@ -117,7 +117,9 @@ def test_sharded_export_and_sharded_load(gemma_dir, tmp_path):
     _assert_transformers_agrees(model, out)
     reloaded, _ = load_model(out, make_mesh(MESH))
     tokens, mask = sample_batch(256)
-    np.testing.assert_allclose(compute_logits(reloaded, tokens, mask), compute_logits(model, tokens, mask), atol=1e-5)
+    before = compute_logits(model, tokens, mask)
+    # the same weights on a (4, 2) mesh: another summation order, bounded as for two implementations
+    np.testing.assert_allclose(compute_logits(reloaded, tokens, mask), before, atol=logits_atol(out, before), rtol=0)
 
 
 def test_bf16_loads_and_exports_in_bf16(gemma_dir, tmp_path):

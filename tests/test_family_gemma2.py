@@ -9,8 +9,9 @@ from safetensors.numpy import load_file
 
 from tunix_pipeline.models import ModelError, compute_logits, load_model
 from tunix_pipeline.models.families import family_for
+from tunix_pipeline.models.families.gemma2 import query_factor
 
-from .parity import ATOL, assert_greedy_match, assert_logits_match, sample_batch, save_hf_model
+from .parity import assert_greedy_match, assert_logits_match, logits_atol, sample_batch, save_hf_model
 
 
 def _config(**overrides):
@@ -30,7 +31,10 @@ CASES = {
     "mqa": {},
     "gqa-query-scalar-pattern": {
         "num_key_value_heads": 2,
-        "query_pre_attn_scalar": 24,  # not head_dim, as in gemma-2-27b
+        # queries scaled by (hidden_size // heads) ** -0.5 = 18 ** -0.5, not head_dim ** -0.5 = 16 ** -0.5:
+        # the 144 vs 128 of gemma-2-27b
+        "hidden_size": 72,
+        "query_pre_attn_scalar": 18,
         "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
     },
     "mha-query-scalar": {"num_key_value_heads": 4, "query_pre_attn_scalar": 8, "final_logit_softcapping": None},
@@ -59,7 +63,7 @@ def test_gemma2_left_padded_batch_matches_transformers(tmp_path):
             position_ids=torch.tensor(np.maximum(mask.cumsum(-1) - 1, 0)),
         ).logits.numpy()
     real = mask.astype(bool)
-    np.testing.assert_allclose(ours[real], theirs[real], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(ours[real], theirs[real], atol=logits_atol(folder, theirs[real]), rtol=0)
 
 
 def test_gemma2_greedy_generation_matches_transformers(tmp_path):
@@ -78,7 +82,8 @@ def test_gemma2_attention_softcap_matches_transformers_eager_attention(tmp_path)
     with torch.no_grad():
         theirs = reference.eval()(input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask))
     real = mask.astype(bool)
-    np.testing.assert_allclose(ours[real], theirs.logits.float().numpy()[real], atol=ATOL, rtol=0)
+    theirs = theirs.logits.float().numpy()[real]
+    np.testing.assert_allclose(ours[real], theirs, atol=logits_atol(folder, theirs), rtol=0)
 
 
 @pytest.mark.parametrize("overrides", CASES.values(), ids=CASES.keys())
@@ -91,9 +96,20 @@ def test_gemma2_exports_the_checkpoint_tensors(tmp_path, overrides):
     saved = load_file(folder / "model.safetensors")
     saved.pop("lm_head.weight", None)  # tied to the embeddings
     assert sorted(exported) == sorted(saved)
-    for key, value in saved.items():
+    for key, value in saved.items():  # loading and exporting only copy and transpose: bitwise
         assert exported[key].shape == value.shape, key
         np.testing.assert_array_equal(exported[key], value, err_msg=key)
+
+
+def test_gemma2_reads_the_gemma_2_27b_config():
+    """google/gemma-2-27b's config: queries scaled by 144 ** -0.5 with head_dim 128."""
+    hf = dict(
+        model_type="gemma2", vocab_size=256000, hidden_size=4608, intermediate_size=36864, num_hidden_layers=46,
+        num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=144, sliding_window=4096,
+        final_logit_softcapping=30.0, attn_logit_softcapping=50.0, rope_theta=10000.0, rms_norm_eps=1e-6,
+    )
+    cfg = family_for(hf).config_from_hf(hf)
+    assert query_factor(cfg) == pytest.approx((144 / 128) ** -0.5)  # on top of Tunix's 128 ** -0.5
 
 
 @pytest.mark.parametrize(

@@ -66,13 +66,12 @@ def test_bad_rows_are_skipped_and_reported_with_file_and_line(tmp_path):
     train, _, report = ingest(_params(SourceParams(name="qa", path=path, format="gsm8k")))
     stats = report["sources"]["qa"]
     assert (stats["rows_read"], stats["kept"], stats["duplicates"], stats["dropped_total"]) == (6, 1, 1, 4)
-    assert stats["dropped"] == {
-        "invalid JSON (Expecting property name enclosed in double quotes)": 1,
-        "empty 'question'": 1,
-        "missing column 'answer'": 1,
-        "column 'answer' is int, expected text": 1,
+    assert stats["dropped"] == {"invalid_json": 1, "empty_field:question": 1, "missing_column:answer": 1, "wrong_type:answer": 1}
+    assert stats["dropped_rows"][0] == {
+        "location": f"{path}:2", "reason": "invalid_json",
+        "message": "invalid JSON (Expecting property name enclosed in double quotes at column 2)",
     }
-    assert stats["examples"][0]["location"] == f"{path}:2"
+    assert stats["dropped_rows"][3]["message"] == "'answer' is a number, expected text"
     assert train.iloc[0][["prompt", "reasoning", "answer"]].tolist() == ["1+1?", "1 + 1 = 2", "2"]
 
 
@@ -89,7 +88,9 @@ def test_csv_line_numbers_and_column_mapping(tmp_path):
         _params(SourceParams(name="legal", path=str(path), format="prompt_response", columns={"prompt": "q", "response": "a"}))
     )
     assert train.iloc[0][["prompt", "reasoning", "answer"]].tolist() == ["What is a tort?", "", "A civil wrong."]
-    assert report["sources"]["legal"]["examples"] == [{"location": f"{path}:3", "reason": "empty 'q'"}]
+    assert report["sources"]["legal"]["dropped_rows"] == [
+        {"location": f"{path}:3", "reason": "empty_field:q", "message": "'q' is empty"}
+    ]
 
 
 def test_parquet_messages_source(tmp_path):
@@ -108,14 +109,14 @@ def test_parquet_messages_source(tmp_path):
     )
     assert [m["role"] for m in train.iloc[0]["messages"]] == ["system", "user"]
     assert train.iloc[0][["reasoning", "answer"]].tolist() == ["2*3=6", "6"]
-    assert report["sources"]["chat"]["dropped"] == {"the last message must be the assistant's answer": 1}
+    assert report["sources"]["chat"]["dropped"] == {"no_assistant_turn": 1}
 
 
 def test_hub_loader_reads_local_files_through_datasets(tmp_path):
     path = _jsonl(tmp_path / "hub.jsonl", [{"question": f"{i}+1?", "answer": f"#### {i + 1}"} for i in range(5)])
     source = SourceParams(name="hub", hf={"path": "json", "data_files": path, "split": "train"}, format="gsm8k")
     train, _, report = ingest(_params(source))
-    assert len(train) == 5 and report["sources"]["hub"]["examples"] == []
+    assert len(train) == 5 and report["sources"]["hub"]["dropped_rows"] == []
     assert sorted(train["answer"].astype(int)) == [1, 2, 3, 4, 5]
 
 
@@ -137,7 +138,7 @@ def test_missing_file_and_empty_result_are_clear_errors(tmp_path):
         ingest(_params(SourceParams(name="x", path=str(tmp_path / "nope.jsonl"), format="gsm8k")))
     bad = _jsonl(tmp_path / "bad.jsonl", [{"text": "no question"}])
     good = _jsonl(tmp_path / "good.jsonl", [{"question": "q", "answer": "#### 1"}])
-    with pytest.raises(DataError, match=r"no usable rows: 'bad': 1 rows read.*missing column 'question'"):
+    with pytest.raises(DataError, match=r"no usable rows: 'bad' \(.*bad.jsonl\): 1 rows read.*missing_column:question"):
         ingest(
             _params(
                 SourceParams(name="good", path=good, format="gsm8k"),

@@ -36,6 +36,7 @@ def test_loaded_weights_are_the_checkpoints_with_gemma1_norms_in_place(tiny_mode
     mesh = make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
     model, cfg = load_model(folder, mesh)
     layer = model.layers[1]
+    # loading copies, reshapes and transposes the checkpoint's tensors: no arithmetic, so bitwise
     np.testing.assert_array_equal(layer.pre_ffw_norm.scale[...], weights["model.layers.1.post_attention_layernorm.weight"])
     np.testing.assert_array_equal(layer.pre_attention_norm.scale[...], weights["model.layers.1.input_layernorm.weight"])
     np.testing.assert_array_equal(model.embedder.input_embedding[...], weights["model.embed_tokens.weight"])

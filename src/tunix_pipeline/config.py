@@ -84,11 +84,12 @@ class LoraParams(Strict):
 
 
 class ModelParams(Strict):
-    # "tiny" (built locally from `tiny`), a local Hugging Face folder, a hub id, or "kaggle:<handle>"
+    # "tiny" (built locally from `tiny`), a local Hugging Face folder, a local .gguf file (or a folder holding
+    # one), a hub id, or "kaggle:<handle>"
     source: str = "tiny"
     revision: str | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"
-    local_dir: str = Field("data/06_models/base_model", description="where `tiny` is built")
+    local_dir: str = Field("data/06_models/base_model", description="where `tiny` is built or a .gguf source converted")
     tiny: TinyModelParams = TinyModelParams()
     # null: full fine-tuning
     lora: LoraParams | None = None
@@ -119,7 +120,8 @@ class DistributedParams(Strict):
 
 
 class RuntimeParams(Strict):
-    # the folder every output goes under (the catalog reads the same value through globals/runtime_params)
+    # the folder every output goes under (the catalog reads the same value through globals/runtime_params);
+    # the checkpoints, sessions ledger and export under it also accept a gs://bucket/path URI (`gcs` extra)
     output_root: str = "data"
     # Fake CPU devices to expose when JAX runs on the CPU (no effect on GPU/TPU).
     host_device_count: int = Field(1, ge=1)
@@ -154,7 +156,7 @@ class SftParams(Strict):
     remat: Literal["none", "attention", "decoder"] = "none"
     # cross-entropy in chunks of this many positions (less memory for large vocabularies); null: at once
     loss_chunk_size: int | None = Field(None, gt=0)
-    checkpoint_dir: str = "data/06_models/sft_checkpoints"
+    checkpoint_dir: str = "data/06_models/sft_checkpoints"  # a local folder or a gs://bucket/path URI
     checkpoint_every: int = Field(gt=0)
     keep_checkpoints: int = Field(3, gt=0)
     eval_every: int | None = Field(None, gt=0)
@@ -260,7 +262,7 @@ class GrpoParams(Strict):
     warmup_steps: int = Field(0, ge=0)
     max_grad_norm: float | None = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    checkpoint_dir: str = "data/06_models/grpo_checkpoints"
+    checkpoint_dir: str = "data/06_models/grpo_checkpoints"  # a local folder or a gs://bucket/path URI
     checkpoint_every: int = Field(100, gt=0)
     keep_checkpoints: int = Field(3, gt=0)
     seed: int = 0
@@ -288,8 +290,23 @@ class GrpoParams(Strict):
 
 
 class ExportParams(Strict):
-    output_dir: str = "data/06_models/exported"
+    output_dir: str = "data/06_models/exported"  # a local folder or a gs://bucket/path URI
     max_shard_size: str = "2GB"
+    # hf: the Hugging Face folder (always: the other stages and vLLM read it); gguf: also GGUF files and an
+    # Ollama Modelfile in gguf_dir, one file per type in gguf_types
+    formats: list[Literal["hf", "gguf"]] = ["hf"]
+    gguf_dir: str = "data/06_models/gguf"  # a local folder or a gs://bucket/path URI
+    gguf_types: list[Literal["f32", "f16", "bf16", "q8_0"]] = Field(["f16", "q8_0"], min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if "hf" not in self.formats:
+            raise ValueError(
+                f"formats must include hf (the folder the other stages read), got {self.formats}: use [hf, gguf]"
+            )
+        if len(set(self.gguf_types)) != len(self.gguf_types):
+            raise ValueError(f"gguf_types lists a type twice: {self.gguf_types}")
+        return self
 
 
 class WandbParams(Strict):

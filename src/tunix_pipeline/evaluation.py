@@ -333,5 +333,7 @@ def log_figure(fig, name: str) -> None:
     import jax
     import mlflow
 
+    from tunix_pipeline.tracking import mlflow_name
+
     if mlflow.active_run() is not None and jax.process_index() == 0:
-        mlflow.log_figure(fig, name)
+        mlflow.log_figure(fig, mlflow_name(name))

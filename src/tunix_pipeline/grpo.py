@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -27,7 +26,10 @@ import pandas as pd
 
 from tunix_pipeline import tracking
 from tunix_pipeline.config import GrpoParams
+from tunix_pipeline.errors import UserError
+from tunix_pipeline.paths import storage_path
 from tunix_pipeline.rewards import RewardSet
+from tunix_pipeline.runtime import barrier
 from tunix_pipeline.training import load_history, save_history
 
 log = logging.getLogger(__name__)
@@ -36,7 +38,7 @@ HISTORY_FILE = "grpo_history.json"
 REWARD_COLUMNS = {"answer": "answer", "id": "id", "source": "source", "reference": "completion"}
 
 
-class GrpoError(ValueError):
+class GrpoError(UserError, ValueError):
     """A GRPO set-up that cannot run (no prompts fit, batch does not divide the mesh, ...)."""
 
 
@@ -181,7 +183,7 @@ def train_grpo(
             f"no training prompt fits grpo.max_prompt_length={params.max_prompt_length} tokens; raise it"
         )
 
-    root = Path(params.checkpoint_dir).resolve()
+    root = storage_path(params.checkpoint_dir, "grpo.checkpoint_dir")  # a gs:// URI reaches Orbax as it is
     options = None
     if metrics_backends:
         options = metrics_logger.MetricsLoggerOptions(
@@ -245,6 +247,7 @@ def train_grpo(
 
     history += _new_history(cluster.actor_trainer.metrics_logger, rewards, start_step, end_step, params)
     save_history(root, history, HISTORY_FILE)
+    barrier("grpo_end")  # multi-host: no process goes on before process 0 has written the history, as after SFT
     first, last = (history[0], history[-1]) if history else ({}, {})
     return {
         "enabled": True,

@@ -2,9 +2,12 @@
 
 Record schema: id, source, prompt (str or None), messages (list of
 {role, content} or None), reasoning (str, may be empty), answer (str).
-Every source row either becomes a record or is counted as dropped with a
-reason and its location (file and line); `on_bad_row: fail` turns the first
-bad row into a `DataError` naming both.
+Every source row becomes a record, is counted as a duplicate, or is dropped
+with its location (file and line), a stable reason slug (e.g.
+`missing_column:answer`, the metric name) and a sentence for people;
+`on_bad_row: fail` turns the first bad row into a `DataError` naming both.
+A file that cannot be read as a whole (missing, empty, a directory, the wrong
+format) is a `DataError` naming its path and the fix. Blank lines are not rows.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from pathlib import Path
 import pandas as pd
 
 from tunix_pipeline.config import IngestParams, SourceParams
+from tunix_pipeline.errors import UserError
 
 RECORD_COLUMNS = ["id", "source", "prompt", "messages", "reasoning", "answer"]
-MAX_EXAMPLES_IN_REPORT = 20
+MAX_DROPPED_ROWS_IN_REPORT = 10_000  # per source; the counts stay exact beyond it
 
 # Canonical fields each format reads (optional ones may be absent or empty).
 FORMAT_FIELDS = {
@@ -32,64 +36,197 @@ FORMAT_FIELDS = {
     "prompt_response": {"required": ["prompt", "response"], "optional": ["reasoning"]},
     "messages": {"required": ["messages"], "optional": []},
 }
+ROLES = ("system", "user", "assistant")
 _TAGGED = re.compile(r"^\s*<reasoning>(.*?)</reasoning>\s*<answer>(.*?)</answer>\s*$", re.S)
+_NOT_UTF8 = re.compile("[\ud800-\udfff]")  # undecodable bytes (surrogateescape) or lone surrogates from JSON escapes
+_SLUG_WORD = re.compile(r"[A-Za-z0-9_-]{1,32}")
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+               float: "a number", type(None): "null"}
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Bad input data: the message names the source, the location and the fix."""
 
 
 class BadRow(ValueError):
-    """One row that cannot be mapped; the reason is the message."""
+    """One row that cannot be mapped: `reason` is a stable slug (a metric name), the message a sentence."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 # ---------------------------------------------------------------- reading
-def _read_rows(source: SourceParams) -> Iterator[tuple[str, dict | None, str | None]]:
-    """Yields (location, row, parse_error) for every row of a source."""
+Rows = Iterator[tuple[str, dict | None, BadRow | None]]  # (location, row, why the row is unreadable)
+
+
+def _read_rows(source: SourceParams) -> Rows:
     if source.hf is not None:
         yield from _read_hub(source)
         return
+    path = _checked_path(source)
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        yield from _json_rows(source, path)
+    elif suffix == ".csv":
+        yield from _csv_rows(source, path)
+    else:
+        yield from _parquet_rows(source, path)
+
+
+def _file_error(source: SourceParams, where, problem: str) -> DataError:
+    return DataError(f"source '{source.name}': {where} {problem}")
+
+
+def _checked_path(source: SourceParams) -> Path:
+    """The source's file, or a `DataError` for a path that is no readable file of a known type."""
     path = Path(source.path)
+    if path.is_dir():
+        inside = ", ".join(sorted(p.name for p in path.iterdir())[:5]) or "nothing"
+        raise _file_error(source, path, f"is a directory, not a file; set `path` to one file in it (it holds {inside})")
     if not path.is_file():
         raise DataError(
             f"source '{source.name}': file not found: {path} "
             f"(paths are relative to the project root; fix `ingest.sources[].path`)"
         )
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        with path.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    yield f"{path}:{line_no}", None, f"invalid JSON ({err.msg})"
-                    continue
-                if not isinstance(row, dict):
-                    yield f"{path}:{line_no}", None, "line is not a JSON object"
-                    continue
-                yield f"{path}:{line_no}", row, None
-    elif suffix == ".csv":
-        with path.open(encoding="utf-8", newline="") as f:
-            reader = csv.DictReader(f)
-            for row in reader:
-                if None in row:  # more cells than header columns
-                    yield f"{path}:{reader.line_num}", None, "more cells than header columns"
-                    continue
-                yield f"{path}:{reader.line_num}", row, None
-    elif suffix == ".parquet":
-        frame = pd.read_parquet(path)
-        for i, row in enumerate(frame.to_dict(orient="records")):
-            yield f"{path}:row {i}", row, None
-    else:
-        raise DataError(
-            f"source '{source.name}': unsupported file type '{suffix}' for {path}; "
-            "use .jsonl, .json (JSON lines), .csv or .parquet, or an `hf:` source"
+    if path.suffix.lower() not in (".jsonl", ".json", ".csv", ".parquet"):
+        raise _file_error(
+            source, path, f"has an unsupported file type '{path.suffix}'; use .jsonl, .json, .csv or .parquet, "
+            "or an `hf:` source"
         )
+    with path.open("rb") as f:
+        head = f.read(2)
+    if not head:
+        raise _file_error(source, path, "is empty (0 bytes); add rows, or remove the source from `ingest.sources`")
+    if head in (b"\xff\xfe", b"\xfe\xff"):
+        raise _file_error(source, path, "is UTF-16 text; save it as UTF-8")
+    return path
 
 
-def _read_hub(source: SourceParams) -> Iterator[tuple[str, dict, None]]:
+def _blank_file(source: SourceParams, path: Path) -> DataError:
+    return _file_error(source, path, "holds only blank lines; add rows, or remove the source from `ingest.sources`")
+
+
+def _json_rows(source: SourceParams, path: Path) -> Rows:
+    """JSON lines (.jsonl, .json), or one JSON array of row objects (.json)."""
+    with path.open("rb") as f:
+        first = next((line for line in f if line.strip()), None)
+    if first is None:
+        raise _blank_file(source, path)
+    if first.lstrip(b"\xef\xbb\xbf \t").startswith(b"["):
+        if path.suffix.lower() == ".json":
+            yield from _json_array_rows(source, path)
+            return
+        if isinstance(_load_json(path), list):
+            raise _file_error(source, path, "is one JSON array, not JSON lines (one object per line): name it .json")
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            location = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                yield location, None, BadRow(
+                    "not_utf8", f"not UTF-8 text (byte 0x{raw[err.start]:02x} at byte {err.start + 1})"
+                )
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                yield location, None, BadRow("invalid_json", f"invalid JSON ({err.msg} at column {err.colno})")
+                continue
+            except RecursionError:
+                yield location, None, BadRow("invalid_json", "invalid JSON (nested too deeply)")
+                continue
+            if not isinstance(row, dict):
+                yield location, None, BadRow("not_an_object", f"the line is {_json_type(row)}, not an object of columns")
+                continue
+            yield location, row, None
+
+
+def _load_json(path: Path):
+    """The file as one JSON document (undecodable bytes kept as surrogates), or None when it is not one."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8-sig", errors="surrogateescape"))
+    except (ValueError, RecursionError):
+        return None
+
+
+def _json_array_rows(source: SourceParams, path: Path) -> Rows:
+    """The elements of one JSON array, each with the line it starts on."""
+    text = path.read_bytes().decode("utf-8-sig", errors="surrogateescape")
+    try:
+        json.loads(text)  # the whole document first: one broken element breaks the array
+    except json.JSONDecodeError as err:
+        raise _file_error(
+            source, path, f"is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}); a .json file holds "
+            "one JSON array of row objects, or one object per line"
+        ) from None
+    except RecursionError:
+        raise _file_error(source, path, "is not valid JSON (nested too deeply)") from None
+    decoder, separators = json.JSONDecoder(), re.compile(r"[\s,]*")
+    pos, line, counted = text.index("[") + 1, 1, 0
+    while True:
+        pos = separators.match(text, pos).end()
+        if text[pos] == "]":
+            return
+        row, end = decoder.raw_decode(text, pos)
+        line, counted = line + text.count("\n", counted, pos), pos
+        if isinstance(row, dict):
+            yield f"{path}:{line}", row, None
+        else:
+            yield f"{path}:{line}", None, BadRow("not_an_object", f"the element is {_json_type(row)}, not an object")
+        pos = end
+
+
+def _csv_rows(source: SourceParams, path: Path) -> Rows:
+    csv.field_size_limit(2**31 - 1)  # a long document is a row too; the default 128 KiB cap would stop the file
+    # undecodable bytes become surrogates, which `_text` reports as `not_utf8:<column>` for the columns used
+    with path.open(encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
+        reader = csv.reader(f)
+        header = next((cells for cells in reader if not _blank_cells(cells)), None)
+        if header is None:
+            raise _blank_file(source, path)
+        _check_columns(source, path, header)
+        rows, last_line = 0, reader.line_num
+        for cells in reader:
+            start, last_line = last_line + 1, reader.line_num  # a quoted cell may span lines
+            if _blank_cells(cells):
+                continue
+            rows += 1
+            if len(cells) != len(header):
+                yield f"{path}:{start}", None, BadRow(
+                    "ragged_csv_row", f"{len(cells)} cell(s), the header has {len(header)} columns"
+                )
+            else:
+                yield f"{path}:{start}", dict(zip(header, cells)), None
+    if not rows:
+        raise _file_error(source, path, "has a header but no rows")
+
+
+def _blank_cells(cells: list[str]) -> bool:
+    return not "".join(cells).strip()  # a blank line, or a spreadsheet's row of empty cells
+
+
+def _parquet_rows(source: SourceParams, path: Path) -> Rows:
+    import pyarrow
+
+    try:
+        frame = pd.read_parquet(path)
+    except (OSError, ValueError, pyarrow.ArrowException) as err:
+        raise _file_error(
+            source, path, f"is not a readable Parquet file ({type(err).__name__}: {err}); write it again "
+            "(e.g. DataFrame.to_parquet) or convert it to .jsonl"
+        ) from None
+    _check_columns(source, path, [str(c) for c in frame.columns])
+    if frame.empty:
+        raise _file_error(source, path, "has no rows")
+    for i, row in enumerate(frame.to_dict(orient="records")):
+        yield f"{path}:row {i}", row, None
+
+
+def _read_hub(source: SourceParams) -> Rows:
     import datasets
 
     hf = source.hf
@@ -102,21 +239,50 @@ def _read_hub(source: SourceParams) -> Iterator[tuple[str, dict, None]]:
             f"source '{source.name}': datasets.load_dataset({hf.path!r}, {hf.name!r}, "
             f"split={hf.split!r}) failed: {err}"
         ) from err
+    _check_columns(source, f"{hf.path}[{hf.split}]", ds.column_names)
     for i, row in enumerate(ds):
         yield f"{hf.path}[{hf.split}]:row {i}", row, None
 
 
+def _check_columns(source: SourceParams, where, columns: list[str]) -> None:
+    """A file with a schema (CSV header, Parquet, hub dataset) must hold the format's required columns."""
+    required = FORMAT_FIELDS[source.format]["required"]
+    missing = [field for field in required if source.columns.get(field, field) not in columns]
+    if not missing:
+        return
+    # a mapping that would fix it: the missing fields onto the columns nothing reads yet, in order
+    spare = [c for c in columns if c not in source.columns.values() and c not in FORMAT_FIELDS[source.format]["required"]]
+    mapping = {**source.columns, **{field: spare.pop(0) if spare else "<column>" for field in missing}}
+    shown = ", ".join(map(repr, columns[:20])) + (f" and {len(columns) - 20} more" if len(columns) > 20 else "")
+    raise _file_error(
+        source, where,
+        f"has no column(s) {', '.join(repr(source.columns.get(f, f)) for f in missing)} for format '{source.format}'; "
+        f"its columns are {shown}. Map them in this source's config, e.g. "
+        f"`columns: {{{', '.join(f'{k}: {json.dumps(v)}' for k, v in mapping.items())}}}`"
+    )
+
+
+def _json_type(value) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
 # ---------------------------------------------------------------- mapping
 def _text(row: dict, column: str, required: bool) -> str:
-    value = row.get(column)
+    if column not in row:
+        if required:
+            raise BadRow(f"missing_column:{column}", f"missing column '{column}'")
+        return ""
+    value = row[column]
     if value is None or (isinstance(value, float) and value != value):  # None or NaN
         if required:
-            raise BadRow(f"missing column '{column}'")
+            raise BadRow(f"null_field:{column}", f"'{column}' is null")
         return ""
     if not isinstance(value, str):
-        raise BadRow(f"column '{column}' is {type(value).__name__}, expected text")
+        raise BadRow(f"wrong_type:{column}", f"'{column}' is {_json_type(value)}, expected text")
+    if _NOT_UTF8.search(value):
+        raise BadRow(f"not_utf8:{column}", f"'{column}' holds bytes that are not UTF-8 text")
     if required and not value.strip():
-        raise BadRow(f"empty '{column}'")
+        raise BadRow(f"empty_field:{column}", f"'{column}' is empty")
     return value.strip()
 
 
@@ -133,7 +299,7 @@ def split_completion(text: str) -> tuple[str, str]:
         if "\n" not in answer:
             answer = answer.replace(",", "")
             if not answer:
-                raise BadRow("nothing after '####'")
+                raise BadRow("empty_answer", "nothing after '####'")
             return reasoning.strip(), answer
     return "", text.strip()
 
@@ -157,31 +323,42 @@ def _map_row(row: dict, source: SourceParams) -> dict:
         reasoning, answer = split_completion(completion)
         reasoning = _text(row, col["reasoning"], False) or reasoning
     else:
-        messages, reasoning, answer = _map_messages(row.get(col["messages"]), col["messages"])
+        messages, reasoning, answer = _map_messages(row, col["messages"])
+    if not answer:
+        raise BadRow("empty_answer", "the answer is empty")
     return {"prompt": prompt, "messages": messages, "reasoning": reasoning, "answer": answer}
 
 
-def _map_messages(value, column: str) -> tuple[list[dict], str, str]:
+def _map_messages(row: dict, column: str) -> tuple[list[dict], str, str]:
+    if column not in row:
+        raise BadRow(f"missing_column:{column}", f"missing column '{column}'")
+    value = row[column]
     if hasattr(value, "tolist"):  # numpy arrays from Parquet
         value = value.tolist()
-    if not isinstance(value, list) or not value:
-        raise BadRow(f"'{column}' must be a non-empty list of {{role, content}} messages")
+    if value is None:
+        raise BadRow(f"null_field:{column}", f"'{column}' is null")
+    if not isinstance(value, list):
+        raise BadRow(f"wrong_type:{column}", f"'{column}' is {_json_type(value)}, expected a list of {{role, content}}")
+    if not value:
+        raise BadRow(f"empty_field:{column}", f"'{column}' is an empty list")
     messages = []
-    for m in value:
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in (
-            "system",
-            "user",
-            "assistant",
-        ):
-            raise BadRow(f"'{column}' has a message without role (system/user/assistant) and text content")
-        messages.append({"role": m["role"], "content": m["content"].strip()})
+    for i, m in enumerate(value, start=1):
+        if not isinstance(m, dict):
+            raise BadRow(f"wrong_type:{column}", f"message {i} is {_json_type(m)}, expected an object {{role, content}}")
+        role = m.get("role")
+        if role not in ROLES:
+            # the role names the slug when it is a word (e.g. ShareGPT's `human`), so the count says what to map
+            named = isinstance(role, str) and _SLUG_WORD.fullmatch(role)
+            raise BadRow(
+                f"unknown_role:{role}" if named else "unknown_role",
+                f"message {i} has role {role!r}; roles are {', '.join(ROLES)}",
+            )
+        messages.append({"role": role, "content": _text(m, "content", False)})
     if messages[-1]["role"] != "assistant":
-        raise BadRow("the last message must be the assistant's answer")
+        raise BadRow("no_assistant_turn", f"the last message is the {messages[-1]['role']}'s, not the assistant's answer")
     if not any(m["role"] == "user" for m in messages[:-1]):
-        raise BadRow("no user message before the assistant's answer")
+        raise BadRow("no_user_turn", "no user message before the assistant's answer")
     reasoning, answer = split_completion(messages[-1]["content"])
-    if not answer:
-        raise BadRow("empty assistant answer")
     return messages[:-1], reasoning, answer
 
 
@@ -197,15 +374,15 @@ def ingest(params: IngestParams) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     report = {"sources": {}, "totals": {}}
     train, evaluation, seen = [], [], set()
     for source in params.sources:
-        stats = {"rows_read": 0, "kept": 0, "duplicates": 0, "dropped": Counter(), "examples": []}
+        stats = {"rows_read": 0, "kept": 0, "duplicates": 0, "dropped": Counter(), "dropped_rows": []}
         records = []
-        for location, row, problem in _read_rows(source):
+        for location, row, unreadable in _read_rows(source):
             if source.max_rows is not None and stats["rows_read"] >= source.max_rows:
                 break
             stats["rows_read"] += 1
             try:
-                if problem:
-                    raise BadRow(problem)
+                if unreadable is not None:
+                    raise unreadable
                 record = _map_row(row, source)
             except BadRow as bad:
                 if params.on_bad_row == "fail":
@@ -213,9 +390,9 @@ def ingest(params: IngestParams) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
                         f"source '{source.name}', {location}: {bad}. Fix the row, map the column "
                         f"with `columns:`, or set `ingest.on_bad_row: skip` to count and skip such rows."
                     ) from None
-                stats["dropped"][str(bad)] += 1
-                if len(stats["examples"]) < MAX_EXAMPLES_IN_REPORT:
-                    stats["examples"].append({"location": location, "reason": str(bad)})
+                stats["dropped"][bad.reason] += 1
+                if len(stats["dropped_rows"]) < MAX_DROPPED_ROWS_IN_REPORT:
+                    stats["dropped_rows"].append({"location": location, "reason": bad.reason, "message": str(bad)})
                 continue
             record["id"] = _record_id(record)
             record["source"] = source.name
@@ -241,12 +418,9 @@ def ingest(params: IngestParams) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
 
     empty = [name for name, s in report["sources"].items() if s["kept"] == 0]
     if empty:
-        details = "; ".join(
-            f"'{n}': {report['sources'][n]['rows_read']} rows read, "
-            f"dropped {report['sources'][n]['dropped'] or 'none'}"
-            for n in empty
-        )
-        raise DataError(f"these sources gave no usable rows: {details}")
+        raise DataError("these sources gave no usable rows: " + "; ".join(
+            _no_rows(source, report["sources"][source.name]) for source in params.sources if source.name in empty
+        ))
     rng.shuffle(train)
     report["totals"] = {
         "rows_read": sum(s["rows_read"] for s in report["sources"].values()),
@@ -257,6 +431,15 @@ def ingest(params: IngestParams) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
         "eval_rows": len(evaluation),
     }
     return _frame(train), _frame(evaluation), report
+
+
+def _no_rows(source: SourceParams, stats: dict) -> str:
+    where = source.path if source.path is not None else f"{source.hf.path}[{source.hf.split}]"
+    text = f"'{source.name}' ({where}): {stats['rows_read']} rows read, dropped {stats['dropped'] or 'none'}"
+    if stats["dropped_rows"]:
+        first = stats["dropped_rows"][0]
+        text += f" (first: {first['location']}: {first['message']})"
+    return text
 
 
 def _apply_weight(records: list[dict], weight: float, rng: random.Random) -> list[dict]:

@@ -25,7 +25,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from tunix_pipeline.config import RewardParams
+from tunix_pipeline.errors import UserError
 from tunix_pipeline.formatting import GEMMA_END_OF_TURN, extract_answer, is_well_formed
+
+
+class RewardError(UserError, ValueError):
+    """A `grpo.rewards` entry that names no usable reward function, or one that returns unusable scores."""
+
 
 TAGS = ("<reasoning>", "</reasoning>", "<answer>", "</answer>")
 # keys Tunix adds to the reward call that are not dataset columns
@@ -109,16 +115,16 @@ def resolve(spec: str) -> Callable[..., list[float]]:
         return BUILTIN[spec]
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(
+        raise RewardError(
             f"reward {spec!r} is neither a built-in ({', '.join(BUILTIN)}) nor a dotted path `package.module:function`"
         )
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({err})") from err
+        raise RewardError(f"reward {spec!r}: cannot import module {module_name!r} ({err})") from err
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward {spec!r}: {module_name} has no function {attr!r}")
+        raise RewardError(f"reward {spec!r}: {module_name} has no function {attr!r}")
     return fn
 
 
@@ -152,9 +158,9 @@ class RewardSet:
         try:
             values = np.asarray(out, dtype=np.float64).reshape(-1)
         except (TypeError, ValueError) as err:
-            raise ValueError(f"reward {name!r} returned {type(out).__name__}, not a list of numbers") from err
+            raise RewardError(f"reward {name!r} returned {type(out).__name__}, not a list of numbers") from err
         if values.shape[0] != len(completions):
-            raise ValueError(f"reward {name!r} returned {values.shape[0]} scores for {len(completions)} completions")
+            raise RewardError(f"reward {name!r} returned {values.shape[0]} scores for {len(completions)} completions")
         values = np.where(np.isfinite(values), values, 0.0)  # a NaN/inf score counts as 0
         self._last[name] = values
         return values

@@ -24,6 +24,8 @@ from omegaconf import OmegaConf
 from pydantic import BaseModel, Field
 
 from tunix_pipeline.config import Strict
+from tunix_pipeline.errors import UserError
+from tunix_pipeline.paths import is_uri, storage_path
 
 
 LEDGER = "sessions.json"
@@ -50,38 +52,39 @@ class CurrentSession(BaseModel):
 class SessionsParams(Strict):
     plan: list[Session] = []
     weekly_hours: float | None = Field(None, gt=0)
-    # where an earlier session's outputs are, read-only (e.g. /kaggle/input/<dataset>)
+    # where an earlier session's outputs are, read-only (e.g. /kaggle/input/<dataset>, or gs://bucket/run)
     previous_root: str | None = None
     current: CurrentSession | None = None
 
 
-class SessionPlanDone(RuntimeError):
-    pass
+class SessionPlanDone(UserError, RuntimeError):
+    """Every session of `sessions.plan` is finished."""
 
 
 # ---------------------------------------------------------------- the ledger
 class Ledger:
     """`sessions.json`: every run of a session (for the weekly budget) and each finished session."""
 
-    def __init__(self, root: Path, data: dict | None = None):
-        self.root = root
+    def __init__(self, root: str | Path, data: dict | None = None):
+        # a folder as given (a relative one stays relative in the paths handed on), or a URI (gs://bucket/run)
+        self.root = storage_path(root, "runtime.output_root") if is_uri(root) else Path(root)
         self.data = data or {"runs": [], "finished": {}}
 
     @classmethod
     def load(cls, output_root: str | Path, previous_root: str | Path | None = None) -> Ledger:
         """This root's ledger, else the previous root's with its paths made absolute (they stay there)."""
-        root = Path(output_root)
-        if (root / LEDGER).is_file():
-            return cls(root, json.loads((root / LEDGER).read_text()))
-        if previous_root and (Path(previous_root) / LEDGER).is_file():
-            previous = Path(previous_root).resolve()
-            data = json.loads((previous / LEDGER).read_text())
-            for entry in data["finished"].values():
+        ledger = cls(output_root)
+        if (ledger.root / LEDGER).is_file():
+            ledger.data = json.loads((ledger.root / LEDGER).read_text())
+            return ledger
+        previous = storage_path(previous_root, "sessions.previous_root") if previous_root else None
+        if previous and (previous / LEDGER).is_file():
+            ledger.data = json.loads((previous / LEDGER).read_text())
+            for entry in ledger.data["finished"].values():
                 for key in PATH_KEYS:
-                    if entry.get(key) and not Path(entry[key]).is_absolute():
+                    if entry.get(key) and not _is_absolute(entry[key]):
                         entry[key] = str(previous / entry[key])
-            return cls(root, data)
-        return cls(root)
+        return ledger
 
     def finished(self, name: str) -> dict | None:
         return self.data["finished"].get(name)
@@ -98,21 +101,26 @@ class Ledger:
 
     def record_finished(self, index: int, session: str, entry: dict) -> None:
         entry = {"index": index, **entry, "finished": time.time()}
+        root = storage_path(self.root)
         for key in PATH_KEYS:  # relative: the root may be attached elsewhere later
-            if entry.get(key) and Path(entry[key]).resolve().is_relative_to(self.root.resolve()):
-                entry[key] = str(Path(entry[key]).resolve().relative_to(self.root.resolve()))
+            if entry.get(key) and storage_path(entry[key]).is_relative_to(root):
+                entry[key] = str(storage_path(entry[key]).relative_to(root))
         self.data["finished"][session] = entry
         self.save()
 
     def path_of(self, entry: dict, key: str) -> str | None:
         value = entry.get(key)
-        return value if value is None or Path(value).is_absolute() else str(self.root / value)
+        return value if value is None or _is_absolute(value) else str(self.root / value)
 
     def save(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / (LEDGER + ".tmp")
         tmp.write_text(json.dumps(self.data, indent=1))
         tmp.replace(self.root / LEDGER)
+
+
+def _is_absolute(path: str) -> bool:
+    return is_uri(path) or Path(path).is_absolute()
 
 
 # ---------------------------------------------------------------- choosing the session

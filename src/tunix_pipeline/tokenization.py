@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from tunix_pipeline.config import TokenizeParams
+from tunix_pipeline.models.errors import ModelError
 
 TOKEN_COLUMNS = ["id", "input_tokens", "loss_mask", "segment_ids", "positions"]
 
@@ -28,7 +29,7 @@ TOKEN_COLUMNS = ["id", "input_tokens", "loss_mask", "segment_ids", "positions"]
 def tokenize_split(formatted: pd.DataFrame, tokenizer, params: TokenizeParams) -> tuple[pd.DataFrame, dict]:
     """Formatted rows -> (fixed-length token rows, stats)."""
     if tokenizer.pad_token_id is None:
-        raise ValueError("the tokenizer has no pad token; add one to the model folder's tokenizer_config.json")
+        raise ModelError("the tokenizer has no pad token; add one to the model folder's tokenizer_config.json")
     n = len(formatted)
     max_len = params.max_length
     # One batched call for prompts and completions together: the fast tokenizer parallelises internally.

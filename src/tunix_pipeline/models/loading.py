@@ -13,6 +13,7 @@ import numpy as np
 from tunix_pipeline.models.errors import ModelError
 from tunix_pipeline.models.families import Family, family_for
 from tunix_pipeline.models.hub import check_folder, load_tokenizer, read_hf_config
+from tunix_pipeline.runtime import host_array
 
 # model -> (family, config.json) of the checkpoint it came from, for export
 _ORIGINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -105,7 +106,7 @@ def compute_logits(model, tokens: np.ndarray, attention_mask: np.ndarray) -> np.
     mask = jnp.asarray(attention_mask).astype(bool)
     positions = sft_utils.build_positions_from_mask(mask)
     logits, _ = _forward(model, jnp.asarray(tokens, jnp.int32), positions, sft_utils.make_causal_attn_mask(mask))
-    return np.asarray(logits, dtype=np.float32)
+    return np.asarray(host_array(logits), dtype=np.float32)
 
 
 def _forward(model, tokens, positions, attention):

@@ -9,6 +9,7 @@ from flax import nnx
 from tunix_pipeline.config import LoraParams
 from tunix_pipeline.models.errors import ModelError
 from tunix_pipeline.models.loading import has_origin, origin_of, remember_origin
+from tunix_pipeline.runtime import host_array
 
 
 def apply_lora(model, lora: LoraParams, mesh: jax.sharding.Mesh | None = None, seed: int = 0):
@@ -69,9 +70,12 @@ def _contracting_axes(module, weight_name: str) -> list[int]:
 
 
 def merge_lora(model, alpha: float | None = None) -> dict[str, np.ndarray]:
-    """Flat {"layers.0.attn.q_einsum.w": array} of the weights, each LoRA delta added (scaled alpha / rank, as qwix does)."""
+    """Flat {"layers.0.attn.q_einsum.w": array} of the weights, each LoRA delta added (scaled alpha / rank, as qwix does).
+
+    Multi-host: every process must call it (weights sharded over other processes are gathered).
+    """
     params = {
-        ".".join(map(str, path)): np.asarray(value[...])
+        ".".join(map(str, path)): host_array(value[...])
         for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param))
         if not isinstance(value, nnx.LoRAParam)
     }
@@ -81,8 +85,8 @@ def merge_lora(model, alpha: float | None = None) -> dict[str, np.ndarray]:
                 raise ModelError("the model has LoRA adapters: pass their alpha to merge them")
             weight_name = name[: -len("_lora_a")]
             key = ".".join(map(str, (*path, weight_name)))
-            a = np.asarray(getattr(module, name)[...], np.float32)
-            b = np.asarray(getattr(module, weight_name + "_lora_b")[...], np.float32)
+            a = np.asarray(host_array(getattr(module, name)[...]), np.float32)
+            b = np.asarray(host_array(getattr(module, weight_name + "_lora_b")[...]), np.float32)
             weight = params[key]
             axes = _contracting_axes(module, weight_name)
             letters = "abcdefghijklmnopq"[: weight.ndim]

@@ -14,9 +14,10 @@ import os
 from pathlib import Path
 
 from tunix_pipeline.config import ModelParams
+from tunix_pipeline.errors import UserError
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """A configuration the plan cannot estimate (unknown model, impossible mesh)."""
 
 
@@ -207,6 +208,12 @@ def resolve(model: ModelParams, known: dict[str, dict] | None = None, folder: st
     local = Path(source)
     if (local / "config.json").is_file():
         return from_hf_config(_read(local / "config.json"), source)
+    if local.suffix == ".gguf" or local.is_dir():
+        from tunix_pipeline.models.gguf import find_gguf, gguf_hf_config
+
+        gguf_file = find_gguf(local) if local.exists() else None
+        if gguf_file is not None:
+            return from_hf_config(gguf_hf_config(gguf_file), source)
     repo = source.removeprefix("hf:")
     cached = _from_hf_cache(repo, model.revision)
     if cached is not None:

@@ -48,8 +48,9 @@ class Gemma3Text(gemma3_lib.Gemma3):
             [gemma3_lib.DecoderLayer(config=config, attn_type=t, rngs=rngs) for t in types]
         )
 
-    def __call__(self, *args, **kwargs):
-        logits, cache = super().__call__(*args, **kwargs)
+    # Tunix's own signature, not **kwargs: Tunix's RL code passes `segment_ids` to any model taking **kwargs
+    def __call__(self, last_tokens, positions=None, cache=None, attention_mask=None, output_hidden_states=False, *, images=None):
+        logits, cache = super().__call__(last_tokens, positions, cache, attention_mask, output_hidden_states, images=images)
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = jnp.tanh(logits / cap) * cap

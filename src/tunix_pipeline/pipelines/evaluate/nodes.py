@@ -5,7 +5,7 @@ import pandas as pd
 from tunix_pipeline import evaluation
 from tunix_pipeline.config import EvaluateParams, ModelParams, RuntimeParams
 from tunix_pipeline.models import load_run_model, load_tokenizer
-from tunix_pipeline.training import make_mesh, restore_latest
+from tunix_pipeline.training import make_mesh, restore_required
 
 log = logging.getLogger(__name__)
 
@@ -17,13 +17,6 @@ def _evaluator(eval_tokens, eval_formatted, base_model, sft_result, model, param
     network, _ = load_run_model(base_model["path"], model, mesh, quantize=False)
     batch_size = sft_result.get("micro_batch_size") or sft_result["global_batch_size"]
     return network, evaluation.Evaluator(network, tokenizer, mesh, params, eval_tokens, eval_formatted, batch_size)
-
-
-def _restore(network, checkpoint_dir: str, stage: str) -> int:
-    step = restore_latest(network, checkpoint_dir)
-    if step == 0:
-        raise ValueError(f"evaluate: no {stage} checkpoint in {checkpoint_dir}; run the `{stage}` pipeline first")
-    return step
 
 
 def _empty_split(eval_tokens: pd.DataFrame, eval_formatted: pd.DataFrame) -> bool:
@@ -53,7 +46,7 @@ def evaluate_models(
     if params.compare_base_model:
         results["base"], base_samples = evaluator.measure("base")
         samples.append(base_samples)
-    step = _restore(network, sft_result["checkpoint_dir"], "sft")
+    step = restore_required(network, sft_result["checkpoint_dir"], "sft", "evaluate")
     results["tuned"], tuned_samples = evaluator.measure("tuned")
     results["tuned"]["checkpoint_step"] = step
     samples.append(tuned_samples)
@@ -90,7 +83,7 @@ def evaluate_after_grpo(
         ("tuned", "sft", grpo_result["sft_checkpoint_dir"]),
         ("grpo", "grpo", grpo_result["checkpoint_dir"]),
     ):
-        step = _restore(network, checkpoint_dir, stage)
+        step = restore_required(network, checkpoint_dir, stage, "evaluate")
         results[label], rows = evaluator.measure(label)
         results[label]["checkpoint_step"] = step
         samples.append(rows)

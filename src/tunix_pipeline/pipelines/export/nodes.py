@@ -1,8 +1,11 @@
+import contextlib
 import logging
 
-from tunix_pipeline.config import ExportParams, ModelParams, RuntimeParams
+from tunix_pipeline.config import ExportParams, FormatParams, ModelParams, RuntimeParams
 from tunix_pipeline.models import export_pretrained, load_run_model, load_tokenizer
-from tunix_pipeline.training import make_mesh, restore_latest
+from tunix_pipeline.models.gguf_export import tuned_chat_template
+from tunix_pipeline.paths import local_folder, storage_path
+from tunix_pipeline.training import make_mesh, restore_required
 
 log = logging.getLogger(__name__)
 
@@ -24,19 +27,39 @@ def final_checkpoint(sft_result: dict, grpo_result: dict) -> tuple[str, str]:
 
 
 def export_model(
-    base_model: dict, sft_result: dict, grpo_result: dict, model: ModelParams, params: ExportParams, runtime: RuntimeParams
+    base_model: dict,
+    sft_result: dict,
+    grpo_result: dict,
+    model: ModelParams,
+    params: ExportParams,
+    runtime: RuntimeParams,
+    format_params: FormatParams,
 ) -> dict:
-    """The latest checkpoint (GRPO's when it ran, else SFT's), LoRA merged, as a Hugging Face folder."""
+    """The latest checkpoint (GRPO's when it ran, else SFT's), LoRA merged, as a Hugging Face folder; with
+    `formats: [hf, gguf]` also as GGUF files and an Ollama Modelfile (with the chat template it was tuned with)."""
     network, _ = load_run_model(base_model["path"], model, make_mesh(runtime), quantize=False)
     stage, checkpoint_dir = final_checkpoint(sft_result, grpo_result)
-    step = restore_latest(network, checkpoint_dir)
-    if step == 0:
-        raise ValueError(f"export: no {stage} checkpoint in {checkpoint_dir}; run the `{stage}` pipeline first")
-    folder = export_pretrained(
-        network,
-        params.output_dir,
-        load_tokenizer(base_model["path"]),
-        lora_alpha=model.lora.alpha if model.lora else None,
-        max_shard_size=params.max_shard_size,
-    )
-    return {"path": str(folder), "stage": stage, "checkpoint_step": step, "merged_lora": model.lora is not None}
+    step = restore_required(network, checkpoint_dir, stage, "export")
+    tokenizer = load_tokenizer(base_model["path"])
+    gguf = "gguf" in params.formats
+    with (
+        local_folder(params.output_dir, "export.output_dir") as out_dir,  # a URI: written here, then copied there
+        local_folder(params.gguf_dir, "export.gguf_dir") if gguf else contextlib.nullcontext() as gguf_dir,
+    ):
+        export_pretrained(
+            network,
+            out_dir,
+            tokenizer,
+            lora_alpha=model.lora.alpha if model.lora else None,
+            max_shard_size=params.max_shard_size,
+            gguf_dir=gguf_dir,
+            gguf_types=params.gguf_types,
+            chat_template=tuned_chat_template(tokenizer, format_params.chat_template) if gguf else None,
+        )
+    result = {
+        "path": str(storage_path(params.output_dir)), "stage": stage, "checkpoint_step": step,
+        "merged_lora": model.lora is not None,
+    }
+    if gguf:
+        result["gguf_dir"] = str(storage_path(params.gguf_dir))
+    return result

@@ -8,7 +8,10 @@ def create_pipeline(**kwargs) -> Pipeline:
         [
             Node(
                 export_model,
-                inputs=["base_model", "sft_result", "grpo_result", "params:model", "params:export", "params:runtime"],
+                inputs=[
+                    "base_model", "sft_result", "grpo_result",
+                    "params:model", "params:export", "params:runtime", "params:format",
+                ],
                 outputs="exported_model",
                 name="export_model",
             )

@@ -5,7 +5,7 @@ from tunix_pipeline.grpo import train_grpo
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
 from tunix_pipeline.rewards import RewardSet
 from tunix_pipeline.tracking import metrics_backends
-from tunix_pipeline.training import make_mesh, restore_latest
+from tunix_pipeline.training import make_mesh, restore_required
 
 
 def run_grpo(
@@ -29,9 +29,7 @@ def run_grpo(
     mesh = make_mesh(runtime)
     tokenizer = load_tokenizer(base_model["path"])
     network, _ = load_run_model(base_model["path"], model, mesh)
-    step = restore_latest(network, sft_result["checkpoint_dir"])
-    if step == 0:
-        raise ValueError(f"grpo: no SFT checkpoint in {sft_result['checkpoint_dir']}; run the `sft` pipeline first")
+    step = restore_required(network, sft_result["checkpoint_dir"], "sft", "grpo")
     backends = metrics_backends(tracking, runtime.output_root, "grpo")
     result = train_grpo(network, tokenizer, train_formatted, grpo, mesh, backends)
     return {

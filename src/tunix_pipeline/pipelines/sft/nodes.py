@@ -4,7 +4,7 @@ import pandas as pd
 
 from tunix_pipeline.config import ModelParams, RuntimeParams, SftParams, TrackingParams
 from tunix_pipeline.models import load_run_model, parameter_counts
-from tunix_pipeline.tracking import MlflowBackend, metrics_backends, remember_run
+from tunix_pipeline.tracking import MlflowBackend, metrics_backends, mlflow_name, remember_run
 from tunix_pipeline.training import global_batch_size, make_mesh, start_from, train
 
 
@@ -22,7 +22,7 @@ def train_sft(
     live = mlflow.active_run() is not None and jax.process_index() == 0
     lineage = start_from(network, sft.init_from, sft.checkpoint_dir) if sft.init_from else {}
     if live and lineage:
-        mlflow.set_tags({f"lineage.{k}": v for k, v in lineage.items() if v is not None})
+        mlflow.set_tags({mlflow_name(f"lineage.{k}"): v for k, v in lineage.items() if v is not None})
     described = {
         **parameter_counts(network),
         **lineage,

@@ -1,4 +1,4 @@
-from pathlib import Path
+from tunix_pipeline.paths import storage_path
 
 MAX_LOSS_RATIO = 0.6
 
@@ -8,17 +8,17 @@ def check_smoke(
 ) -> dict:
     """The smoke run's pass criteria; raises (failing the run) when one is missed."""
     first, last = sft_result["first_loss"], sft_result["last_loss"]
-    checkpoint = Path(sft_result["checkpoint_dir"]) / str(sft_result["latest_step"])
+    checkpoint = storage_path(sft_result["checkpoint_dir"]) / str(sft_result["latest_step"])
     checks = {
         "loss_dropped": first is not None and last <= MAX_LOSS_RATIO * first,
         "checkpoint_written": checkpoint.is_dir(),
         "tuned_model_evaluated": "eval_loss" in eval_metrics.get("tuned", {}),
-        "exported": (Path(exported_model["path"]) / "config.json").is_file(),
+        "exported": (storage_path(exported_model["path"]) / "config.json").is_file(),
     }
     grpo_ran = bool(grpo_result.get("enabled"))
     if grpo_ran:  # a few GRPO steps: rewards and KL logged, a checkpoint, and the policy evaluated
         history = grpo_result.get("history") or []
-        checks["grpo_checkpoint_written"] = (Path(grpo_result["checkpoint_dir"]) / str(grpo_result["latest_step"])).is_dir()
+        checks["grpo_checkpoint_written"] = (storage_path(grpo_result["checkpoint_dir"]) / str(grpo_result["latest_step"])).is_dir()
         checks["grpo_rewards_logged"] = bool(history) and all(h.get("reward") is not None for h in history)
         checks["grpo_model_evaluated"] = "eval_loss" in grpo_eval_metrics.get("grpo", {})
         checks["grpo_model_exported"] = exported_model.get("stage") == "grpo"

@@ -1,6 +1,7 @@
 import pandas as pd
 
 from tunix_pipeline.config import TokenizeParams
+from tunix_pipeline.ingest import DataError
 from tunix_pipeline.models import load_tokenizer
 from tunix_pipeline.tokenization import tokenize_split
 
@@ -12,7 +13,7 @@ def tokenize(
     train_tokens, train_stats = tokenize_split(train_formatted, tokenizer, params)
     eval_tokens, eval_stats = tokenize_split(eval_formatted, tokenizer, params)
     if not len(train_tokens):
-        raise ValueError(
+        raise DataError(
             f"tokenize: no training rows left at max_length={params.max_length} "
             f"(dropped: {train_stats['dropped_overlong']} overlong, "
             f"{train_stats['dropped_prompt_too_long']} with prompts that fill the length); "

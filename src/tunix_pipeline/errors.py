@@ -1,0 +1,6 @@
+class UserError(Exception):
+    """A problem the user can fix (data, configuration, model, mesh, plan); the message says what, where and how.
+
+    `kedro run` prints only the message of these (see `tunix_pipeline.cli`); any other exception is a bug
+    and keeps its traceback. Subclasses also derive from the builtin they replace (ValueError, RuntimeError).
+    """
