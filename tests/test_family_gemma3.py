@@ -155,7 +155,7 @@ def test_gemma3_serves_tunix_rl_log_probs(tmp_path):
     import jax
     from tunix.rl import common
 
-    model, _ = load_model(save_hf_model(_config(), tmp_path / "gemma3"))
+    model, _ = load_model(save_hf_model(_config(), tmp_path / "gemma3"), None)
     tokens, _ = sample_batch(256)
     tokens = tokens[:1]
     graphdef, state = nnx.split(model)

@@ -405,7 +405,7 @@ def test_gguf_refuses_missing_metadata_and_split_files():
 
 def test_gguf_refuses_a_tokenizer_it_cannot_rebuild():
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.pre": "deepseek-llm"}
-    with pytest.raises(ModelError, match="tokenizer.ggml.pre='deepseek-llm' is not supported; supported: llama-bpe, qwen2"):
+    with pytest.raises(ModelError, match="tokenizer.ggml.pre='deepseek-llm' is not supported; supported: gpt-2, llama-bpe, qwen2"):
         build_tokenizer(meta, Path("m.gguf"))
     with pytest.raises(ModelError, match="tokenizer.ggml.model='bert' is not supported"):
         build_tokenizer({**meta, "tokenizer.ggml.model": "bert"}, Path("m.gguf"))
