@@ -18,7 +18,10 @@ from tunix_pipeline.config import FormatParams, IngestParams, LoraParams, ModelP
 from tunix_pipeline.formatting import format_records
 from tunix_pipeline.ingest import ingest
 from tunix_pipeline.models import ModelError, apply_lora, compute_logits, export_pretrained, load_pretrained, resolve_model_dir
-from tunix_pipeline.models.gguf import _sha256
+from tunix_pipeline.models.gguf import sha256_file
+from tunix_pipeline.models.hub import read_hf_config
+from tunix_pipeline.planning.architecture import from_hf_config
+from tunix_pipeline.planning.architecture import resolve as resolve_architecture
 from tunix_pipeline.tokenization import tokenize_split
 from tunix_pipeline.training import make_mesh, train
 
@@ -44,8 +47,12 @@ def test_real_gemma3_270m_from_pypi_trains_and_exports(tmp_path):
     params = ModelParams(source=f"pypi:{PACKAGE}", local_dir=str(tmp_path / "models" / "base_model"))
     folder = resolve_model_dir(params)
     gguf_file = tmp_path / "models" / package.MODEL_NAME
-    assert _sha256(gguf_file) == package.EXPECTED_SHA256  # assembled beside base_model and checked
+    assert sha256_file(gguf_file) == package.EXPECTED_SHA256  # assembled beside base_model and checked
     converted = time.perf_counter()
+    # the plan reads the same architecture from the GGUF metadata as the converted folder has
+    planned = resolve_architecture(params)
+    assert planned == from_hf_config(read_hf_config(folder), params.source)
+    assert (planned.num_layers, planned.hidden_size, planned.vocab_size) == (18, 640, 262144)
 
     # two rows of the committed data in the recipe's format, one batch: the loss must fall step after step
     records, _, _ = ingest(

@@ -87,7 +87,7 @@ def gguf_to_folder(path: str | Path, out_dir: str | Path) -> Path:
     path, out = Path(path).resolve(), Path(out_dir)
     if path.is_relative_to(out.resolve()):
         raise ModelError(f"model.local_dir ({out}) holds the GGUF file {path}; it is replaced by the converted model")
-    digest = _sha256(path)
+    digest = sha256_file(path)
     stamp = out / STAMP
     if stamp.is_file() and json.loads(stamp.read_text()).get("sha256") == digest:
         return out
@@ -120,7 +120,7 @@ def gguf_hf_config(path: Path) -> dict:
     return hf_config(meta, reader.tensors, path)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):

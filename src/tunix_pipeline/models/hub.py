@@ -51,7 +51,7 @@ def assemble_pypi_gguf(package: str, out_dir: Path) -> Path:
     into `out_dir` and checked against the package's sha256; kept while its checksum holds."""
     import importlib
 
-    from tunix_pipeline.models.gguf import _sha256
+    from tunix_pipeline.models.gguf import sha256_file
 
     extra = PYPI_EXTRAS.get(package)
     install = f'pip install -e ".[{extra}]"' if extra else f"pip install {package}"
@@ -65,7 +65,7 @@ def assemble_pypi_gguf(package: str, out_dir: Path) -> Path:
             "(it needs MODEL_NAME, EXPECTED_SHA256 and chunk_paths()); point model.source at a .gguf file instead"
         )
     target = out_dir / module.MODEL_NAME
-    if target.is_file() and _sha256(target) == module.EXPECTED_SHA256:
+    if target.is_file() and sha256_file(target) == module.EXPECTED_SHA256:
         return target
     try:
         chunks = module.chunk_paths()
@@ -81,7 +81,7 @@ def assemble_pypi_gguf(package: str, out_dir: Path) -> Path:
             for chunk in chunks:
                 with open(chunk, "rb") as f:
                     shutil.copyfileobj(f, out, 1 << 24)
-        digest = _sha256(Path(tmp))
+        digest = sha256_file(Path(tmp))
         if digest != module.EXPECTED_SHA256:
             raise ModelError(
                 f"model.source 'pypi:{package}': the assembled {target.name} has sha256 {digest}, expected "

