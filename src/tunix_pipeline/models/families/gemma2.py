@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from tunix.models.gemma import model as gemma_lib
 

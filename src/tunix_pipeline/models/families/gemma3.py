@@ -7,7 +7,6 @@ import dataclasses
 import itertools
 
 import jax.numpy as jnp
-import numpy as np
 from tunix.models.gemma3 import model as gemma3_lib
 from tunix.utils import compat
 
