@@ -20,6 +20,7 @@ from pathlib import Path
 from etils import epath
 
 from tunix_pipeline.errors import UserError
+from tunix_pipeline.runtime import is_main_process
 
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # what epath reaches (through fsspec), with the package each needs
@@ -60,7 +61,8 @@ def local_folder(destination: str | os.PathLike, setting: str = "path"):
     """A local folder to write the flat folder `destination` (a model) into: itself when local;
     for a URI (where folders cannot be renamed into place), a temporary folder copied over it when
     the block succeeds: the old `config.json` and stale files removed first, the new `config.json`
-    written last, so a reader that finds a config finds the files that go with it."""
+    written last, so a reader that finds a config finds the files that go with it. Only process 0
+    uploads: in a multi-host run the other processes' folders are empty."""
     target = storage_path(destination, setting)
     if not is_uri(target):
         yield Path(target)
@@ -68,6 +70,8 @@ def local_folder(destination: str | os.PathLike, setting: str = "path"):
     with tempfile.TemporaryDirectory(prefix="upload.") as tmp:
         local = Path(tmp) / target.name
         yield local
+        if not is_main_process():  # process 0 alone writes the model (runtime.on_main_process); others upload nothing
+            return
         names = sorted((p.name for p in local.iterdir()), key=lambda name: name == "config.json")
         for old in target.iterdir() if target.exists() else ():
             if old.name == "config.json" or old.name not in names:
