@@ -120,6 +120,62 @@ def test_hub_loader_reads_local_files_through_datasets(tmp_path):
     assert sorted(train["answer"].astype(int)) == [1, 2, 3, 4, 5]
 
 
+def _hub_rows(n: int) -> list[dict]:
+    return [{"question": f"{i}?", "answer": None if i == 7 else f"#### {i}"} for i in range(n)]  # row 7 is bad
+
+
+def _hub_folder(folder, shards: int, rows: int, unreadable=(), suffix="parquet") -> str:
+    """A dataset folder as the hub holds one: data/train-0000i-of-0000n.<suffix> of `rows` rows each (`_hub_rows`);
+    the shards in `unreadable` are not Parquet, so opening one fails the read."""
+    (folder / "data").mkdir(parents=True)
+    table = _hub_rows(shards * rows)
+    for i in range(shards):
+        path = folder / "data" / f"train-{i:05d}-of-{shards:05d}.{suffix}"
+        if i in unreadable:
+            path.write_bytes(b"not parquet " * 100)
+        elif suffix == "jsonl":
+            _jsonl(path, table[i * rows:(i + 1) * rows])
+        else:
+            pd.DataFrame(table[i * rows:(i + 1) * rows]).to_parquet(path, row_group_size=10)
+    return str(folder)
+
+
+def test_hub_source_with_max_rows_streams_and_never_opens_the_shards_past_them(tmp_path):
+    folder = _hub_folder(tmp_path / "hub", shards=4, rows=25, unreadable=(2, 3))
+    source = SourceParams(name="hub", hf={"path": folder, "split": "train"}, format="gsm8k", max_rows=50)
+    train, _, report = ingest(_params(source))  # shards 0 and 1 exactly: shard 2 is never opened
+    stats = report["sources"]["hub"]
+    assert (stats["rows_read"], stats["kept"], stats["dropped"]) == (50, 49, {"null_field:answer": 1})
+    assert stats["dropped_rows"][0]["location"] == f"{folder}[train]:row 7"  # bad rows are handled as in files
+    assert sorted(train["prompt"], key=lambda q: int(q[:-1])) == [f"{i}?" for i in range(50) if i != 7]
+    assert stats["read"]["streamed"] and stats["read"]["rows"] == "the first 50 rows"
+    # the digest is the rows read: the same rows from a file give the same digest, a row more another one
+    same = _jsonl(tmp_path / "same.jsonl", _hub_rows(50))
+    _, _, from_file = ingest(_params(SourceParams(name="file", path=same, format="gsm8k")))
+    assert stats["read"]["sha256"] == from_file["sources"]["file"]["read"]["sha256"]
+
+    with pytest.raises(DataError, match=r"source 'hub': datasets.load_dataset\(.*streaming=True\) failed at row 50: .*Parquet"):
+        ingest(_params(source.model_copy(update={"max_rows": 51})))  # one row more opens shard 2
+    with pytest.raises(DataError, match=r"hub\[train\]:row 7: 'answer' is null"):
+        ingest(_params(source, on_bad_row="fail"))
+
+
+def test_hub_source_with_a_shuffle_buffer_takes_seeded_rows_from_further_on(tmp_path):
+    # JSON lines (a builder that learns its columns from the first row): a Parquet stream left early waits 5 s
+    folder = _hub_folder(tmp_path / "hub", shards=4, rows=25, suffix="jsonl")
+    source = SourceParams(name="hub", hf={"path": folder, "split": "train", "shuffle_buffer": 10}, format="gsm8k",
+                          max_rows=20)
+    first, _, report = ingest(_params(source, seed=0))
+    again, _, _ = ingest(_params(source, seed=0))
+    other, _, _ = ingest(_params(source, seed=1))
+    assert report["sources"]["hub"]["rows_read"] == 20
+    assert report["sources"]["hub"]["read"]["rows"].startswith("20 rows through a shuffle buffer of 10 (seed 0")
+    assert sorted(first["id"]) == sorted(again["id"]) != sorted(other["id"])
+    assert set(first["prompt"]) != {f"{i}?" for i in range(20)}  # not the first rows
+    with pytest.raises(ValueError, match="hf.shuffle_buffer picks max_rows rows from a stream; set `max_rows`"):
+        SourceParams(name="hub", hf={"path": folder, "shuffle_buffer": 10}, format="gsm8k")
+
+
 def test_weights_repeat_or_subsample_train_rows(tmp_path):
     a = _jsonl(tmp_path / "a.jsonl", [{"question": f"a{i}", "answer": f"#### {i}"} for i in range(10)])
     b = _jsonl(tmp_path / "b.jsonl", [{"question": f"b{i}", "answer": f"#### {i}"} for i in range(10)])

@@ -18,13 +18,16 @@ class Strict(BaseModel):
 
 # ---------------------------------------------------------------- ingest
 class HubDataset(Strict):
-    """Arguments of `datasets.load_dataset(path, name, split=..., ...)`."""
+    """Arguments of `datasets.load_dataset(path, name, split=..., ...)`; with the source's `max_rows` it streams."""
 
     path: str
     name: str | None = None
     split: str = "train"
     data_files: str | list[str] | None = None
     revision: str | None = None
+    # streamed rows pass through a buffer of this many, shuffled with `ingest.seed` (the shards' order too):
+    # about max_rows + shuffle_buffer rows are read; null takes the first max_rows rows
+    shuffle_buffer: int | None = Field(None, gt=0)
 
 
 class SourceParams(Strict):
@@ -41,6 +44,11 @@ class SourceParams(Strict):
     def _one_location(self):
         if (self.path is None) == (self.hf is None):
             raise ValueError(f"source '{self.name}': set exactly one of `path` or `hf`")
+        if self.hf is not None and self.hf.shuffle_buffer is not None and self.max_rows is None:
+            raise ValueError(
+                f"source '{self.name}': hf.shuffle_buffer picks max_rows rows from a stream; set `max_rows`, or remove "
+                "`shuffle_buffer` (a source read whole is shuffled anyway before the train/eval split)"
+            )
         return self
 
 

@@ -8,12 +8,14 @@ with its location (file and line), a stable reason slug (e.g.
 `on_bad_row: fail` turns the first bad row into a `DataError` naming both.
 A file that cannot be read as a whole (missing, empty, a directory, the wrong
 format) is a `DataError` naming its path and the fix. Blank lines are not rows.
+A hub source with `max_rows` is streamed and read no further than it needs.
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
+import itertools
 import json
 import random
 import re
@@ -60,9 +62,9 @@ class BadRow(ValueError):
 Rows = Iterator[tuple[str, dict | None, BadRow | None]]  # (location, row, why the row is unreadable)
 
 
-def _read_rows(source: SourceParams) -> Rows:
+def _read_rows(source: SourceParams, seed: int) -> Rows:
     if source.hf is not None:
-        yield from _read_hub(source)
+        yield from _read_hub(source, seed)
         return
     path = _checked_path(source)
     suffix = path.suffix.lower()
@@ -226,22 +228,70 @@ def _parquet_rows(source: SourceParams, path: Path) -> Rows:
         yield f"{path}:row {i}", row, None
 
 
-def _read_hub(source: SourceParams) -> Rows:
+def _read_hub(source: SourceParams, seed: int) -> Rows:
+    """A hub dataset's rows. With `max_rows` it is streamed: nothing is downloaded or prepared
+    beyond the rows taken (the caller stops after `max_rows`), so later shards are never opened;
+    without, the whole split is prepared once (and cached) as `datasets` does."""
     import datasets
 
-    hf = source.hf
+    hf, where = source.hf, f"{source.hf.path}[{source.hf.split}]"
+    streaming = source.max_rows is not None
+    call = f"datasets.load_dataset({hf.path!r}, {hf.name!r}, split={hf.split!r}, streaming={streaming})"
     try:
         ds = datasets.load_dataset(
-            hf.path, hf.name, split=hf.split, data_files=hf.data_files, revision=hf.revision
+            hf.path, hf.name, split=hf.split, data_files=hf.data_files, revision=hf.revision, streaming=streaming
         )
+        if hf.shuffle_buffer is not None:
+            ds = ds.shuffle(seed=seed, buffer_size=hf.shuffle_buffer)
     except Exception as err:  # the hub and the builders raise many types
-        raise DataError(
-            f"source '{source.name}': datasets.load_dataset({hf.path!r}, {hf.name!r}, "
-            f"split={hf.split!r}) failed: {err}"
-        ) from err
-    _check_columns(source, f"{hf.path}[{hf.split}]", ds.column_names)
-    for i, row in enumerate(ds):
-        yield f"{hf.path}[{hf.split}]:row {i}", row, None
+        raise DataError(f"source '{source.name}': {call} failed: {err}") from err
+    columns = ds.column_names  # None when a streamed builder does not know its schema before the first row
+    if columns is not None:
+        _check_columns(source, where, columns)
+    rows = iter(ds)
+    for i in itertools.count():
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except Exception as err:  # a streamed shard is opened (downloaded, parsed) only here
+            raise DataError(f"source '{source.name}': {call} failed at row {i}: {err}") from err
+        if columns is None:
+            columns = list(row)
+            _check_columns(source, where, columns)
+        yield f"{where}:row {i}", row, None
+
+
+def _selection(source: SourceParams, seed: int) -> dict:
+    """Where a source's rows came from and which of them were read (the data-quality report's `read`)."""
+    if source.hf is None:
+        read = {"location": source.path}
+    else:
+        hf = source.hf
+        read = {"location": f"{hf.path}[{hf.split}]", "config": hf.name, "revision": hf.revision,
+                "streamed": source.max_rows is not None}
+    if source.max_rows is None:
+        read["rows"] = "all rows"
+    elif source.hf is not None and source.hf.shuffle_buffer is not None:
+        buffer = source.hf.shuffle_buffer  # `datasets` fills it from up to 10 shards at a time, in a seeded order
+        read["rows"] = (f"{source.max_rows} rows through a shuffle buffer of {buffer} (seed {seed}) filled from shards "
+                        f"in a seeded order; about {source.max_rows + buffer} rows read")
+    else:
+        read["rows"] = f"the first {source.max_rows} rows"
+    return read
+
+
+def _digest_row(digest, row: dict | None, unreadable: BadRow | None) -> None:
+    """Adds one row as read (canonical JSON; an unreadable one as its reason) to `digest`."""
+    item = {"unreadable": unreadable.reason} if row is None else row
+    text = json.dumps(item, sort_keys=True, default=_plain)  # ASCII: surrogates from bad bytes stay escaped
+    digest.update(text.encode() + b"\n")
+
+
+def _plain(value):
+    if isinstance(value, bytes):
+        return value.hex()
+    return value.tolist() if hasattr(value, "tolist") else str(value)  # numpy values and arrays from Parquet
 
 
 def _check_columns(source: SourceParams, where, columns: list[str]) -> None:
@@ -375,11 +425,11 @@ def ingest(params: IngestParams) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     train, evaluation, seen = [], [], set()
     for source in params.sources:
         stats = {"rows_read": 0, "kept": 0, "duplicates": 0, "dropped": Counter(), "dropped_rows": []}
-        records = []
-        for location, row, unreadable in _read_rows(source):
-            if source.max_rows is not None and stats["rows_read"] >= source.max_rows:
-                break
+        records, digest = [], hashlib.sha256()
+        # islice asks for no row past max_rows: a stream opens no shard it does not need
+        for location, row, unreadable in itertools.islice(_read_rows(source, params.seed), source.max_rows):
             stats["rows_read"] += 1
+            _digest_row(digest, row, unreadable)
             try:
                 if unreadable is not None:
                     raise unreadable
@@ -413,6 +463,7 @@ def ingest(params: IngestParams) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
             eval_rows=n_eval,
             dropped_total=sum(stats["dropped"].values()),
             dropped=dict(stats["dropped"]),
+            read={**_selection(source, params.seed), "sha256": digest.hexdigest()},
         )
         report["sources"][source.name] = stats
 
