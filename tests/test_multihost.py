@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlflow
@@ -42,9 +43,10 @@ def _kedro(project: Path, devices: int, params: str, *args: str) -> subprocess.P
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _finish(*processes: subprocess.Popen) -> None:
+def _finish(*processes: subprocess.Popen) -> list[str]:
     logs = [p.communicate(timeout=600)[0] for p in processes]
     assert [p.returncode for p in processes] == [0] * len(processes), "\n\n".join(log[-4000:] for log in logs)
+    return logs
 
 
 @pytest.mark.slow
@@ -54,13 +56,15 @@ def test_two_kedro_processes_run_the_whole_dag_and_export_what_one_process_expor
     port = _free_port()
     common = (f"{SHORT},sft.checkpoint_dir={shared}/sft,grpo.checkpoint_dir={shared}/grpo,"
               f"tracking.tracking_uri=sqlite:///{shared}/mlflow.db")
-    _finish(*[
+    logs = _finish(*[
         _kedro(project, 4, f"{common},runtime.output_root={tmp_path}/host{i},"
                f"runtime.distributed.coordinator_address=127.0.0.1:{port},"
                f"runtime.distributed.num_processes=2,runtime.distributed.process_id={i}")
         for i in range(2)
     ])
 
+    assert all("grpo.checkpoint_dir, sft.checkpoint_dir: one folder on all 2 processes" in log for log in logs)
+    assert not list(shared.glob("*/.shared-check-*"))  # the check's files are gone
     host0, host1 = tmp_path / "host0", tmp_path / "host1"
     exported = json.loads((host0 / "06_models" / "exported_model.json").read_text())
     assert (exported["stage"], exported["checkpoint_step"]) == ("grpo", 1)
@@ -107,3 +111,75 @@ def test_a_write_that_fails_on_process_0_fails_every_process():
     assert "wrote: done" in first and "wrote: None" in second  # process 0 alone ran it
     assert "OSError: disk full" in first
     assert "RuntimeError: demo: failed on process 0" in second
+
+
+# the checkpoint folders' check (runtime.check_shared_folders) on two processes: shared folders, local and
+# on gs:// (both processes' `gs://` is one local folder, tests/fake_gcs.py), pass; a folder under each
+# process's own root fails on both, with the same message, once the timeout is over
+SHARED = """
+import os, sys, time
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+sys.path.insert(0, sys.argv[4])
+import fsspec
+from tests.fake_gcs import BucketFolders
+from tunix_pipeline.config import DistributedParams
+from tunix_pipeline.runtime import FolderNotShared, check_shared_folders, initialize_distributed
+root, pid = sys.argv[3], int(sys.argv[2])
+BucketFolders.root = f"{root}/bucket"
+for protocol in ("gs", "gcs"):
+    fsspec.register_implementation(protocol, BucketFolders, clobber=True)
+initialize_distributed(DistributedParams(coordinator_address=sys.argv[1], num_processes=2, process_id=pid))
+check_shared_folders({"sft.checkpoint_dir": f"{root}/shared/sft", "grpo.checkpoint_dir": "gs://b/run/grpo"}, 10)
+print("shared:", os.listdir(f"{root}/shared/sft"), os.listdir(f"{root}/bucket/b/run/grpo"))
+start = time.monotonic()
+try:
+    check_shared_folders({"sft.checkpoint_dir": f"{root}/shared/sft", "grpo.checkpoint_dir": f"{root}/host{pid}/grpo"}, 2)
+except FolderNotShared as err:
+    print(f"after {time.monotonic() - start:.1f} s:", err)
+"""
+
+
+def test_checkpoint_folders_are_checked_to_be_one_folder_on_every_process(tmp_path):
+    address = f"127.0.0.1:{_free_port()}"
+    workers = [subprocess.Popen([sys.executable, "-c", SHARED, address, str(i), str(tmp_path), str(Path(__file__).parents[1])],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    logs = [w.communicate(timeout=120)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], "\n\n".join(logs)
+    errors = []
+    for log in logs:
+        assert "shared: [] []" in log  # passed, and the marker files are gone
+        seconds, _, error = log.split("after ")[1].partition(" s: ")
+        assert 2 <= float(seconds) < 30  # the timeout, then the answer: no ten-minute wait
+        errors.append(error.strip())
+    assert errors[0] == errors[1]  # every process stops with the same message
+    assert errors[0].startswith(
+        f"these checkpoint folders are not one folder shared by every process of this multi-host run: "
+        f"grpo.checkpoint_dir (process 0: {tmp_path}/host0/grpo, process 1: {tmp_path}/host1/grpo): "
+        "process 1 did not see the file that process 0 wrote there within 2 s. "
+    )
+    assert "--params grpo.checkpoint_dir=/mnt/shared/run/grpo_checkpoints" in errors[0]
+    assert "sft.checkpoint_dir (" not in errors[0]
+
+
+@pytest.mark.slow
+def test_a_pod_whose_workers_keep_checkpoints_under_their_own_roots_stops_in_seconds(tmp_path):
+    """Each process with its own output root, checkpoints left under it: the run stops before any node."""
+    project = copy_project(tmp_path / "project")
+    port = _free_port()
+    start = time.monotonic()
+    workers = [
+        _kedro(project, 4, f"runtime.output_root={tmp_path}/host{i},runtime.shared_folder_timeout_s=5,"
+               f"runtime.distributed.coordinator_address=127.0.0.1:{port},"
+               f"runtime.distributed.num_processes=2,runtime.distributed.process_id={i}")
+        for i in range(2)
+    ]
+    logs = [w.communicate(timeout=300)[0] for w in workers]
+    elapsed = time.monotonic() - start
+    assert [w.returncode for w in workers] == [1, 1], "\n\n".join(logs)
+    for i, log in enumerate(logs):
+        assert "Error: these checkpoint folders are not one folder shared by every process" in log, log[-3000:]
+        assert f"grpo.checkpoint_dir (process 0: {tmp_path}/host0/06_models/grpo_checkpoints, process 1: " in log
+        assert f"sft.checkpoint_dir (process 0: {tmp_path}/host0/06_models/sft_checkpoints, process 1: " in log
+        assert "Traceback" not in log
+        assert not (tmp_path / f"host{i}" / "02_intermediate").exists()  # no node ran
+    assert elapsed < 180, elapsed  # start-up and 5 s, not Orbax's ten minutes

@@ -137,6 +137,9 @@ class RuntimeParams(Strict):
     mesh: Literal["auto"] | dict[Literal["data", "fsdp", "tp"], int] = "auto"
     # multi-host: off (one process), auto (JAX finds the cluster: TPU pods, SLURM, ...), or explicit
     distributed: Literal["off", "auto"] | DistributedParams = "off"
+    # multi-host: how long a process looks for the file process 0 wrote in each checkpoint folder before
+    # the run stops, saying the folder is not shared (a shared filesystem may show new files late)
+    shared_folder_timeout_s: float = Field(20.0, gt=0)
     # the accelerator's peak bf16 FLOP/s per device, for MFU; null: MFU is not logged
     peak_flops_per_device: float | None = Field(None, gt=0)
 

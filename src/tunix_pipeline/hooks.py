@@ -11,7 +11,7 @@ from kedro.framework.hooks import hook_impl
 from pydantic import BaseModel
 
 from tunix_pipeline.config import RuntimeParams, TrackingParams
-from tunix_pipeline.runtime import configure_host_devices, initialize_distributed
+from tunix_pipeline.runtime import check_shared_folders, configure_host_devices, initialize_distributed, orbax_folders
 from tunix_pipeline.sessions import Ledger, SessionPlanDone, SessionsParams, brief, expectation, over_weekly_budget
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,9 @@ class ProjectHooks:
         session_tags = self._begin_session() if trains else {}
         if "params:runtime" in pipeline.inputs():
             make_mesh(self._runtime)  # a mesh that cannot be built fails now, not after tokenizing
+        # multi-host: a checkpoint folder that is not shared stops the run in seconds, not in Orbax after minutes
+        check_shared_folders(orbax_folders(self._params, (node.name for node in pipeline.nodes)),
+                             self._runtime.shared_folder_timeout_s)
 
         if not self._tracking or not self._tracking.enabled or jax.process_index() != 0:
             return

@@ -1,15 +1,21 @@
 """Process-level JAX set-up (before JAX picks its devices), and what multi-host runs need afterwards:
-reading sharded arrays on the host, barriers, and files written by process 0 alone."""
+reading sharded arrays on the host, barriers, files written by process 0 alone, and folders that
+every process must share."""
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import numpy as np
 
+from tunix_pipeline.errors import UserError
+
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 FAKE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
@@ -104,3 +110,119 @@ def on_main_process(name: str, write: Callable[[], T]) -> T | None:
     if failed:
         raise RuntimeError(f"{name}: failed on process 0; its log says why")
     return result
+
+
+class FolderNotShared(UserError, RuntimeError):
+    """A folder that every process of a multi-host run must share is not the same folder on all of them."""
+
+
+# the folders Orbax writes from every process together, by the node that writes them
+ORBAX_FOLDERS = {"train_sft": "sft.checkpoint_dir", "run_grpo": "grpo.checkpoint_dir"}
+
+
+def orbax_folders(params: dict, node_names: Iterable[str]) -> dict[str, str]:
+    """{setting: folder} of the checkpoint folders these nodes write (GRPO's only when it is enabled)."""
+    names = set(node_names)
+    folders = {}
+    for node, setting in ORBAX_FOLDERS.items():
+        section, key = setting.split(".")
+        if node in names and params.get(section, {}).get("enabled", True):
+            folders[setting] = str(params[section][key])
+    return folders
+
+
+def check_shared_folders(folders: dict[str, str], timeout_s: float) -> None:
+    """In a multi-host run, that each folder ({setting: path or URI}) is one folder every process sees.
+
+    Orbax writes a checkpoint from all processes into one folder; on a folder that is not shared it
+    waits ten minutes for the others' files and then fails without naming the setting. Here process 0
+    writes a marker holding a nonce of this launch into each folder (so a marker left by an earlier
+    launch cannot pass), and the others look for it for up to `timeout_s`; then every process knows
+    every result, and all stop with the same message when one folder is not shared. A collective:
+    every process calls it with its own values of the same settings. A no-op with one process.
+    """
+    if not folders:
+        return
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    from tunix_pipeline.paths import storage_path
+
+    settings = sorted(folders)
+    paths = [storage_path(folders[setting], setting) for setting in settings]
+    nonce = bytes(multihost_utils.broadcast_one_to_all(np.frombuffer(os.urandom(16), np.uint8))).hex()
+    markers = [path / f".shared-check-{nonce}" for path in paths]
+    found = np.zeros(len(settings), np.int32)  # per folder: 1 when this process sees the marker
+    problems = {}
+    if is_main_process():
+        for i, marker in enumerate(markers):
+            try:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.write_text(nonce)
+                found[i] = 1
+            except OSError as err:
+                problems[settings[i]] = f"process 0 cannot write in it ({type(err).__name__}: {err})"
+    barrier("shared-folders-written")
+    if not is_main_process():
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for i, marker in enumerate(markers):
+                found[i] = found[i] or _holds(marker, nonce)
+            if found.all() or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    everyone = np.asarray(multihost_utils.process_allgather(found))  # (processes, folders)
+    where = [_allgather_text(str(path)) for path in paths]  # per folder, each process's own path
+    if is_main_process():
+        for i, marker in enumerate(markers):
+            if found[i]:
+                marker.unlink(missing_ok=True)
+    barrier("shared-folders-checked")  # every process leaves once the files are gone
+    failed = [i for i in range(len(settings)) if not everyone[:, i].all()]
+    if not failed:
+        log.info("%s: one folder on all %d processes", ", ".join(settings), len(everyone))
+        return
+    lines = []
+    for i in failed:
+        setting = settings[i]
+        seen = ", ".join(f"process {p}: {path}" for p, path in enumerate(where[i]))
+        missing = [p for p in range(len(everyone)) if not everyone[p, i]]
+        if 0 in missing:
+            lines.append(f"{setting} ({seen}): {problems.get(setting, 'process 0 cannot write in it (its log says why)')}")
+        else:
+            lines.append(f"{setting} ({seen}): process{'es' if len(missing) > 1 else ''} "
+                         f"{', '.join(map(str, missing))} did not see the file that process 0 wrote there within "
+                         f"{timeout_s:g} s")
+    raise FolderNotShared(
+        "these checkpoint folders are not one folder shared by every process of this multi-host run: "
+        + "; ".join(lines) + ". Orbax writes each checkpoint from all processes together, so set them to a folder "
+        "that every worker mounts at the same path (an NFS / Filestore share) or to a gs://bucket/path, e.g. "
+        + ", ".join(f"--params {settings[i]}=/mnt/shared/run/{settings[i].split('.')[0]}_checkpoints" for i in failed)
+        + ". A shared filesystem that shows new files late (NFS attribute caching) needs a longer "
+        "runtime.shared_folder_timeout_s."
+    )
+
+
+def _holds(marker, nonce: str) -> bool:
+    """Whether `marker` exists here with `nonce` in it. The folder is listed first: on NFS, listing a
+    directory revalidates its cached attributes, where a lookup by name may keep answering from a
+    cached "no such file" for a while."""
+    try:
+        return marker.name in {p.name for p in marker.parent.iterdir()} and marker.read_text() == nonce
+    except OSError:  # the folder does not exist here (yet)
+        return False
+
+
+def _allgather_text(text: str, size: int = 4096) -> list[str]:
+    """Every process's `text` (UTF-8, at most `size` bytes), in process order. A collective."""
+    from jax.experimental import multihost_utils
+
+    data = text.encode()[:size]
+    buffer = np.zeros(size + 4, np.uint8)
+    buffer[:4] = np.frombuffer(np.uint32(len(data)).tobytes(), np.uint8)
+    buffer[4:4 + len(data)] = np.frombuffer(data, np.uint8)
+    gathered = np.asarray(multihost_utils.process_allgather(buffer))
+    return [bytes(row[4:4 + int(row[:4].view(np.uint32)[0])]).decode(errors="replace") for row in gathered]
