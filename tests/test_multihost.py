@@ -23,6 +23,8 @@ from pathlib import Path
 import mlflow
 import pytest
 
+from tunix_pipeline.runtime import orbax_folders
+
 from .conftest import copy_project
 
 KEDRO = str(Path(sys.executable).parent / "kedro")
@@ -38,7 +40,8 @@ def _free_port() -> int:
 
 
 def _kedro(project: Path, devices: int, params: str, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    # wide enough that Rich does not wrap a log line
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "COLUMNS": "300"}
     return subprocess.Popen([KEDRO, "run", *args, "--params", params], cwd=project, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -159,6 +162,15 @@ def test_checkpoint_folders_are_checked_to_be_one_folder_on_every_process(tmp_pa
     )
     assert "--params grpo.checkpoint_dir=/mnt/shared/run/grpo_checkpoints" in errors[0]
     assert "sft.checkpoint_dir (" not in errors[0]
+
+
+def test_the_folders_checked_are_those_the_pipeline_writes_through_orbax():
+    params = {"sft": {"checkpoint_dir": "s"}, "grpo": {"enabled": True, "checkpoint_dir": "g"}}
+    assert orbax_folders(params, ["train_sft", "run_grpo", "export_model"]) == {
+        "sft.checkpoint_dir": "s", "grpo.checkpoint_dir": "g"}
+    assert orbax_folders(params, ["ingest_sources", "evaluate_after_grpo"]) == {}  # nothing to check: no JAX set-up
+    params["grpo"]["enabled"] = False
+    assert orbax_folders(params, ["train_sft", "run_grpo"]) == {"sft.checkpoint_dir": "s"}
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ every process must share."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -163,7 +164,7 @@ def check_shared_folders(folders: dict[str, str], timeout_s: float) -> None:
                 marker.parent.mkdir(parents=True, exist_ok=True)
                 marker.write_text(nonce)
                 found[i] = 1
-            except OSError as err:
+            except Exception as err:  # any kind (an object store's too): raised below, once every process knows
                 problems[settings[i]] = f"process 0 cannot write in it ({type(err).__name__}: {err})"
     barrier("shared-folders-written")
     if not is_main_process():
@@ -179,7 +180,8 @@ def check_shared_folders(folders: dict[str, str], timeout_s: float) -> None:
     if is_main_process():
         for i, marker in enumerate(markers):
             if found[i]:
-                marker.unlink(missing_ok=True)
+                with contextlib.suppress(Exception):  # a file left behind is harmless; leaving here would strand
+                    marker.unlink(missing_ok=True)    # the other processes at the barrier
     barrier("shared-folders-checked")  # every process leaves once the files are gone
     failed = [i for i in range(len(settings)) if not everyone[:, i].all()]
     if not failed:
@@ -212,7 +214,7 @@ def _holds(marker, nonce: str) -> bool:
     cached "no such file" for a while."""
     try:
         return marker.name in {p.name for p in marker.parent.iterdir()} and marker.read_text() == nonce
-    except OSError:  # the folder does not exist here (yet)
+    except Exception:  # the folder does not exist here (yet), or the store did not answer: look again
         return False
 
 
@@ -221,8 +223,7 @@ def _allgather_text(text: str, size: int = 4096) -> list[str]:
     from jax.experimental import multihost_utils
 
     data = text.encode()[:size]
-    buffer = np.zeros(size + 4, np.uint8)
-    buffer[:4] = np.frombuffer(np.uint32(len(data)).tobytes(), np.uint8)
-    buffer[4:4 + len(data)] = np.frombuffer(data, np.uint8)
+    buffer = np.zeros(size, np.uint8)  # a fixed shape on every process, padded with NULs (no path holds one)
+    buffer[:len(data)] = np.frombuffer(data, np.uint8)
     gathered = np.asarray(multihost_utils.process_allgather(buffer))
-    return [bytes(row[4:4 + int(row[:4].view(np.uint32)[0])]).decode(errors="replace") for row in gathered]
+    return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in gathered]
