@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pandas as pd
+from flax import nnx
 
 from tunix_pipeline.config import PreferenceParams
 from tunix_pipeline.errors import UserError
@@ -107,8 +109,17 @@ def sequence_logps(model, example):
     return chosen, rejected, lengths[:half], lengths[half:]
 
 
-def loss_fn(model, train_example, *, params: PreferenceParams):
-    """Tunix loss hook: the configured method's mean loss and the metrics `DPOTrainer` logs."""
+def loss_fn_for(params: PreferenceParams):
+    """Tunix's loss hook for `params.method` (a plain closure: nnx.grad resolves its arguments by position)."""
+
+    def loss(model, train_example):
+        return loss_fn(model, train_example, params)
+
+    return loss
+
+
+def loss_fn(model, train_example, params: PreferenceParams):
+    """The configured method's mean loss and the metrics `DPOTrainer` logs."""
     chosen, rejected, chosen_len, rejected_len = sequence_logps(model, train_example)
     losses, chosen_reward, rejected_reward = pair_losses(
         params.method, chosen, rejected, chosen_len, rejected_len,
@@ -125,3 +136,286 @@ def loss_fn(model, train_example, *, params: PreferenceParams):
         "log_probs/rejected": rejected.mean(),
     }
     return losses.mean(), aux
+
+
+# ---------------------------------------------------------------- pairs -> fixed-shape token rows
+def tokenize_pairs(formatted: pd.DataFrame, tokenizer, params: PreferenceParams) -> tuple[pd.DataFrame, dict]:
+    """Formatted pairs (prompt, completion = chosen, rejected) -> DPOTrainer's fixed-shape inputs, and counts.
+
+    Prompts are left-padded to `max_prompt_length`, answers right-padded to `max_response_length`;
+    the texts are encoded as SFT encodes them (the rendered prompt already holds the BOS, an answer
+    gets none). A pair whose prompt or either answer does not fit is dropped and counted, as is a
+    pair whose answers are the same tokens.
+    """
+    from tunix_pipeline.tokenization import encode_batch
+
+    if tokenizer.pad_token_id is None:
+        from tunix_pipeline.models.errors import ModelError
+
+        raise ModelError("the tokenizer has no pad token; add one to the model folder's tokenizer_config.json")
+    n, pad = len(formatted), tokenizer.pad_token_id
+    p_len, r_len = params.max_prompt_length, params.max_response_length
+    texts = formatted["prompt"].tolist() + formatted["completion"].tolist() + formatted["rejected"].tolist()
+    encoded = encode_batch(tokenizer, texts) if n else []
+    prompts, chosen, rejected = encoded[:n], encoded[n : 2 * n], encoded[2 * n :]
+    dropped = {"prompt_too_long": 0, "response_too_long": 0, "same_tokens": 0}
+    keep = []
+    for i in range(n):
+        if len(prompts[i]) > p_len:
+            dropped["prompt_too_long"] += 1
+        elif max(len(chosen[i]), len(rejected[i])) > r_len:
+            dropped["response_too_long"] += 1
+        elif chosen[i] == rejected[i]:
+            dropped["same_tokens"] += 1
+        else:
+            keep.append(i)
+    arrays = {c: np.full((len(keep), p_len if c.startswith("prompt") else r_len), 0, np.int32) for c in PAIR_TOKEN_COLUMNS}
+    for name in ("prompt_ids", "chosen_ids", "rejected_ids"):
+        arrays[name][:] = pad
+    for row, i in enumerate(keep):
+        p = prompts[i]
+        arrays["prompt_ids"][row, p_len - len(p):] = p
+        arrays["prompt_mask"][row, p_len - len(p):] = 1
+        for side, tokens in (("chosen", chosen[i]), ("rejected", rejected[i])):
+            arrays[f"{side}_ids"][row, : len(tokens)] = tokens
+            arrays[f"{side}_mask"][row, : len(tokens)] = 1
+    frame = pd.DataFrame({"id": formatted["id"].astype(str).to_numpy()[keep] if n else [],
+                          **{c: list(a) for c, a in arrays.items()}})
+    stats = {
+        "pairs_in": n,
+        "pairs_out": len(keep),
+        "dropped": dropped,
+        "max_prompt_length": p_len,
+        "max_response_length": r_len,
+        "max_seen_prompt": max((len(p) for p in prompts), default=0),
+        "max_seen_response": max((len(t) for t in chosen + rejected), default=0),
+    }
+    if sum(dropped.values()):
+        log.warning("preference: dropped %s of %d pairs (never truncated); raise preference.max_prompt_length / "
+                    "max_response_length to keep them", dropped, n)
+    return frame, stats
+
+
+def pair_arrays(rows: pd.DataFrame) -> dict[str, np.ndarray]:
+    """The pair columns as 2-D int arrays (float for precomputed reference log-probs)."""
+    from tunix_pipeline.tokenization import stack
+
+    out = {c: stack(rows, c) for c in PAIR_TOKEN_COLUMNS}
+    for c in REFERENCE_COLUMNS:
+        if c in rows:
+            out[c] = rows[c].to_numpy(np.float32)
+    return out
+
+
+# ---------------------------------------------------------------- log-probabilities outside training
+def _example(model, batch: dict):
+    """A Tunix `TrainExample` of chosen then rejected rows, as `DPOTrainer._prepare_inputs` builds it."""
+    from tunix.rl import common
+    from tunix.sft.dpo import dpo_trainer
+
+    prompt = jnp.concatenate([batch["prompt_ids"]] * 2)
+    prompt_mask = jnp.concatenate([batch["prompt_mask"]] * 2)
+    answers = jnp.concatenate([batch["chosen_ids"], batch["rejected_ids"]])
+    answer_mask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]])
+    ids, mask = jnp.concatenate([prompt, answers], axis=1), jnp.concatenate([prompt_mask, answer_mask], axis=1)
+    if hasattr(model, "get_attention_mask"):  # Gemma 3: its sliding-window mask, as Tunix does
+        attention = model.get_attention_mask(ids, inputs_mask=mask)
+    else:
+        attention = common.make_causal_attn_mask(mask)
+    return dpo_trainer.TrainExample(
+        input_ids=ids, positions=common.build_positions_from_mask(mask), attention_mask=attention,
+        ref_chosen_logps=None, ref_rejected_logps=None, completion_mask=answer_mask, logits_to_keep=answers.shape[1],
+    )
+
+
+def pair_logps(model, rows: pd.DataFrame, batch_size: int, mesh) -> dict[str, np.ndarray]:
+    """Summed answer log-probabilities and answer lengths of every pair (the last batch padded and cut off)."""
+    from tunix.sft import sharding_utils
+
+    from tunix_pipeline.training import BATCH_AXES
+
+    arrays = {c: a for c, a in pair_arrays(rows).items() if c in PAIR_TOKEN_COLUMNS}
+    out = {k: [] for k in ("chosen", "rejected", "chosen_len", "rejected_len")}
+    with mesh:
+        for start in range(0, len(rows), batch_size):
+            batch = {k: v[start : start + batch_size] for k, v in arrays.items()}
+            real = len(batch["prompt_ids"])
+            batch = {k: np.concatenate([v, np.repeat(v[-1:], batch_size - real, 0)]) for k, v in batch.items()}
+            example = _example(model, sharding_utils.shard_input(batch, BATCH_AXES))
+            values = _sequence_logps_jit(model, example)
+            for key, value in zip(out, values):
+                out[key].append(np.asarray(jax.device_get(value), np.float64)[:real])
+    return {k: np.concatenate(v) if v else np.zeros(0) for k, v in out.items()}
+
+
+_sequence_logps_jit = nnx.jit(sequence_logps)
+
+
+def heldout_accuracy(model, rows: pd.DataFrame, params: PreferenceParams, batch_size: int, mesh,
+                     reference: dict[str, np.ndarray] | None) -> float | None:
+    """Pair accuracy (ties half) of the method's implicit reward on held-out pairs; DPO's needs `reference`."""
+    if not len(rows):
+        return None
+    lp = pair_logps(model, rows, batch_size, mesh)
+    _, chosen, rejected = pair_losses(
+        params.method, lp["chosen"], lp["rejected"], lp["chosen_len"], lp["rejected_len"],
+        reference["chosen"] if reference else None, reference["rejected"] if reference else None,
+        beta=params.beta, orpo_lambda=params.orpo_lambda, simpo_gamma=params.simpo_gamma,
+    )
+    return float(pair_accuracy(np.asarray(chosen, np.float64), np.asarray(rejected, np.float64)))
+
+
+# ---------------------------------------------------------------- the run
+@functools.cache
+def _trainer_class():
+    from tunix.sft.dpo import dpo_trainer
+
+    from tunix_pipeline.training import trainer_class
+
+    class PreferenceTrainer(trainer_class(dpo_trainer.DPOTrainer)):
+        """Tunix's DPOTrainer taking precomputed reference log-probabilities from the batch when it has them."""
+
+        def _prepare_inputs(self, batch):
+            batch = dict(batch)
+            reference = [batch.pop(c, None) for c in REFERENCE_COLUMNS]
+            example = super()._prepare_inputs(batch)
+            if reference[0] is not None:
+                example = example.replace(
+                    ref_chosen_logps=jnp.asarray(reference[0]), ref_rejected_logps=jnp.asarray(reference[1])
+                )
+            return example
+
+    return PreferenceTrainer
+
+
+def train_preference(
+    model,
+    train_pairs: pd.DataFrame,
+    eval_pairs: pd.DataFrame,
+    params: PreferenceParams,
+    mesh: jax.sharding.Mesh,
+    metrics_backends: list | None = None,
+    peak_flops_per_device: float | None = None,
+) -> dict:
+    """Preference training of `model` (the SFT policy) in place; resumes from `params.checkpoint_dir`.
+
+    Before Tunix restores a checkpoint the model is the SFT policy: the reference
+    (a frozen copy, or its log-probabilities) and the step-0 held-out accuracy come from it.
+    """
+    from tunix.sft import metrics_logger
+    from tunix.sft.dpo import dpo_trainer
+
+    from tunix_pipeline import training
+    from tunix_pipeline.grpo import frozen_copy
+    from tunix_pipeline.paths import storage_path
+    from tunix_pipeline.tracking import scalar_listeners_scope
+
+    sft = params.as_sft()  # the optimizer, schedule and checkpoint settings, as SFT reads them
+    batch_size = training.global_batch_size(sft, mesh)
+    if len(train_pairs) < batch_size:
+        raise PreferenceError(
+            f"{len(train_pairs)} training pairs cannot fill one batch of {batch_size} pairs "
+            f"(preference.per_device_batch_size x {training.data_parallel_size(mesh)} data-parallel devices); "
+            "lower it or build more pairs"
+        )
+    local = training.process_rows(mesh, batch_size)
+    ckpt_dir = storage_path(params.checkpoint_dir, "preference.checkpoint_dir")
+    dpo = params.method == "dpo"
+    eval_reference = pair_logps(model, eval_pairs, batch_size, mesh) if dpo and len(eval_pairs) else None
+    accuracy_before = heldout_accuracy(model, eval_pairs, params, batch_size, mesh, eval_reference)
+    arrays = pair_arrays(train_pairs)
+    reference = None
+    if dpo and params.precompute_reference:  # one pass now instead of a reference model during training
+        lp = pair_logps(model, train_pairs, batch_size, mesh)
+        arrays.update(ref_chosen_logps=lp["chosen"].astype(np.float32), ref_rejected_logps=lp["rejected"].astype(np.float32))
+    elif dpo:
+        reference = frozen_copy(model)
+    feed = training.BatchFeed(train_pairs, batch_size, params.seed, local, arrays=arrays)
+    if params.time_budget_hours:
+        feed.with_deadline(training._process_start() + params.time_budget_hours * 3600,
+                           save_seconds=training._save_seconds_guess(model))
+    options = None
+    if metrics_backends:
+        options = metrics_logger.MetricsLoggerOptions(
+            log_dir=str(ckpt_dir / "logs"), backend_kwargs={"custom_backend": metrics_backends}
+        )
+    config = dpo_trainer.DPOTrainingConfig(
+        algorithm="orpo" if params.method == "orpo" else "dpo",  # only the metric names differ: our loss hook decides
+        beta=params.beta, lambda_orpo=params.orpo_lambda, label_smoothing=params.label_smoothing,
+        eval_every_n_steps=params.max_steps + 1,
+        max_steps=params.max_steps,
+        checkpoint_root_directory=str(ckpt_dir),
+        checkpointing_options=training._checkpoint_options(sft),
+        metrics_logging_options=options,
+        data_sharding_axis=training.BATCH_AXES,
+        metrics_prefix=METRICS_PREFIX,
+        pbar_description=params.method,
+    )
+    seq_len = params.max_prompt_length + params.max_response_length
+    tokens = 2 * batch_size * seq_len  # chosen and rejected rows
+    flops = tokens * training.train_flops_per_token(model, seq_len)
+    with scalar_listeners_scope(), mesh:
+        trainer = training.restored_trainer(
+            lambda: _trainer_class()(model, reference, training.make_optimizer(sft), config), ckpt_dir
+        )
+        trainer.with_loss_fn(loss_fn_for(params), has_aux=True)
+        trainer.with_gen_model_input_fn(lambda example: {"train_example": example})
+        trainer._aux_metrics_to_log = {k: np.mean for k in (
+            "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "log_probs/chosen",
+            "log_probs/rejected")}
+        trainer.with_training_hooks(training._throughput_hooks(tokens, flops, peak_flops_per_device, mesh.devices.size))
+        trainer.with_data_hooks(feed)
+        start_step = trainer.train_steps
+        history = training.load_history(ckpt_dir, start_step)
+        training._record_history_with_checkpoints(trainer, ckpt_dir, history, start_step)
+        if start_step:
+            log.info("resuming %s from checkpoint step %d in %s", params.method, start_step, ckpt_dir)
+        started = time.perf_counter()
+        if start_step < params.max_steps:
+            with training._stop_on_sigterm(feed):
+                trainer.train([], None)  # batches come from the data hook
+        else:
+            trainer.close()
+        seconds = time.perf_counter() - started
+        end_step = trainer.train_steps
+        curves = {name: training._history_of(trainer, name) for name in trainer._aux_metrics_to_log}
+
+    history = history + _with_curves(training._new_losses(trainer, start_step), curves)
+    training.save_history(ckpt_dir, history)
+    accuracy_after = heldout_accuracy(model, eval_pairs, params, batch_size, mesh, eval_reference)
+    training._sync("preference_end")
+    if feed.stop_reason == "SIGTERM":
+        raise training.TrainingInterrupted(
+            f"SIGTERM: saved a checkpoint at step {end_step} in {ckpt_dir}; rerun the same command to resume from it"
+        )
+    if feed.stop_reason:
+        log.warning("stopped at step %d of %d to save within the %s h session budget; rerun to continue",
+                    end_step, params.max_steps, params.time_budget_hours)
+    return {
+        "enabled": True,
+        "method": params.method,
+        "checkpoint_dir": str(ckpt_dir),
+        "latest_step": end_step,
+        "resumed_from_step": start_step,
+        "steps_this_run": end_step - start_step,
+        "stopped_early": feed.stop_reason,
+        "reference_model": reference is not None,
+        "precomputed_reference": dpo and params.precompute_reference,
+        "global_batch_size": batch_size,
+        "train_pairs": len(train_pairs),
+        "eval_pairs": len(eval_pairs),
+        "heldout_pair_accuracy_before": accuracy_before,
+        "heldout_pair_accuracy": accuracy_after,
+        "first_loss": history[0]["loss"] if history else None,
+        "last_loss": history[-1]["loss"] if history else None,
+        "history": history,
+        "train_seconds": seconds,
+    }
+
+
+def _with_curves(losses: list[dict], curves: dict[str, np.ndarray]) -> list[dict]:
+    """Each step's loss with the rewards, margin and accuracy logged for it (Tunix writes them a step late)."""
+    for i, entry in enumerate(losses):
+        for name, values in curves.items():
+            entry[name] = float(values[i]) if i < len(values) else None
+    return losses
