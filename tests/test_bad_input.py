@@ -59,6 +59,9 @@ def _good(fmt: str, marker: str, text: str) -> dict:
         return {"instruction": f"{marker} {text}", "input": text, "output": completion}
     if fmt == "prompt_response":
         return {"prompt": f"{marker} {text}", "response": completion}
+    if fmt == "preference":  # the text shape; the chat shape is in tests/test_preference.py
+        return {"prompt": f"{marker} {text}", "chosen": completion,
+                "rejected": f"<reasoning>{text}</reasoning><answer>{len(text) + 1}</answer>"}
     return {"messages": [{"role": "system", "content": text}, {"role": "user", "content": f"{marker} {text}"},
                          {"role": "assistant", "content": completion}]}
 
@@ -76,6 +79,8 @@ def bad_kinds(fmt: str, ftype: str) -> list[str]:
         kinds += ["missing", "wrong_type", "lone_surrogate", "bad_byte"]
     if ftype == "csv":
         kinds += ["bad_byte", "ragged"]
+    if fmt == "preference":
+        kinds += ["same_answers"]
     if fmt == "messages":
         kinds += ["unknown_role", "no_assistant", "no_user", "empty_content"]
         if ftype in JSON_TYPES:
@@ -123,9 +128,14 @@ def _bad_row(draw, fmt: str, ftype: str, good: dict, kind: str) -> tuple[object,
             row["answer"] = "2 + 2 = 4\n####  "
         elif fmt == "messages":
             row["messages"][-1]["content"] = "<reasoning>r</reasoning><answer> </answer>"
+        elif fmt == "preference":
+            row[col] = "<reasoning>r</reasoning><answer></answer>"
         else:
             row["output" if fmt == "alpaca" else "response"] = "<reasoning>r</reasoning><answer></answer>"
         return row, "empty_answer"
+    if kind == "same_answers":
+        row["rejected"] = row["chosen"]
+        return row, "same_answers"
     if kind == "unknown_role":
         roles = ["bot", "human", "User", "", "tool call"] + ([None, 5] if ftype in JSON_TYPES else [])
         role = draw(st.sampled_from(roles))

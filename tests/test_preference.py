@@ -100,3 +100,158 @@ def test_pair_accuracy_counts_ties_half():
 
     assert float(pair_accuracy(np.array([1.0, 0.0, 2.0, 3.0]), np.array([0.0, 0.0, 3.0, 3.0]))) == pytest.approx(0.5)
     assert float(pair_accuracy(np.array([1.0, 1.0]), np.array([0.0, 0.0]))) == 1.0
+
+
+# ---------------------------------------------------------------- preference data in
+def _write_jsonl(path, rows):
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_chat_pairs_share_their_prompt_turns_and_render_like_sft(tmp_path, tokenizer):
+    from tunix_pipeline.config import FormatParams, IngestParams, SourceParams
+    from tunix_pipeline.formatting import format_records
+    from tunix_pipeline.ingest import ingest
+
+    user = {"role": "user", "content": "What is 2 + 3?"}
+    good = {"chosen": [user, {"role": "assistant", "content": "<reasoning>2 + 3 = 5</reasoning><answer>5</answer>"}],
+            "rejected": [user, {"role": "assistant", "content": "six"}]}
+    rows = [
+        good,
+        good,  # a duplicate
+        {"chosen": good["chosen"], "rejected": [{"role": "user", "content": "other"}, good["rejected"][1]]},
+        {"chosen": good["chosen"], "rejected": [user]},
+        {"chosen": good["chosen"], "rejected": good["chosen"]},
+        {"prompt": "What is 1 + 1?", "chosen": "#### 2", "rejected": "3"},  # the text shape in the same file
+    ]
+    path = _write_jsonl(tmp_path / "pairs.jsonl", rows)
+    train, _, report = ingest(IngestParams(sources=[SourceParams(name="p", path=path, format="preference")],
+                                           eval_fraction=0.0))
+    stats = report["sources"]["p"]
+    assert stats["kept"] == 2 and stats["duplicates"] == 1
+    assert stats["dropped"] == {"prompt_mismatch": 1, "no_assistant_turn": 1, "same_answers": 1}
+    formatted = format_records(train, tokenizer, FormatParams()).set_index("answer")
+    # the same chat template and reasoning format as SFT; text without tags is the answer, reasoning empty
+    assert formatted.loc["5", "completion"] == "<reasoning>2 + 3 = 5</reasoning><answer>5</answer><end_of_turn>"
+    assert formatted.loc["5", "rejected"] == "<reasoning></reasoning><answer>six</answer><end_of_turn>"
+    assert formatted.loc["2", "rejected"] == "<reasoning></reasoning><answer>3</answer><end_of_turn>"
+    assert formatted.loc["5", "prompt"].endswith("What is 2 + 3?<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_preference_sources_are_not_mixed_with_sft_ones():
+    from pydantic import ValidationError
+
+    from tunix_pipeline.config import IngestParams, SourceParams
+
+    with pytest.raises(ValidationError, match="under `preference.data.sources`"):
+        IngestParams(sources=[SourceParams(name="a", path="a.jsonl", format="gsm8k"),
+                              SourceParams(name="b", path="b.jsonl", format="preference")])
+
+
+def _formatted_pairs(tokenizer, n=24, long_every=0):
+    import pandas as pd
+
+    from tunix_pipeline.formatting import gemma_turns
+
+    rows = []
+    for i in range(n):
+        prompt = gemma_turns([{"role": "user", "content": f"What is {i} + 2?" + (" apples" * 80 if long_every and i % long_every == 0 else "")}],
+                             tokenizer.bos_token)
+        rows.append({"id": f"r{i}", "prompt": prompt,
+                     "completion": f"<reasoning>{i} + 2 = {i + 2}</reasoning><answer>{i + 2}</answer><end_of_turn>",
+                     "rejected": f"<reasoning></reasoning><answer>I do not know</answer><end_of_turn>"})
+    return pd.DataFrame(rows)
+
+
+def _params(tmp_path, **kw):
+    from tunix_pipeline.config import PreferenceParams
+
+    base = dict(enabled=True, method="dpo", max_steps=4, learning_rate=1e-3, beta=0.5, max_prompt_length=48,
+                max_response_length=32, per_device_batch_size=1, checkpoint_dir=str(tmp_path / "ck"),
+                checkpoint_every=2)
+    return PreferenceParams(**{**base, **kw})
+
+
+def test_pairs_are_left_and_right_padded_and_never_truncated(tmp_path, tokenizer):
+    from tunix_pipeline import preference
+    from tunix_pipeline.tokenization import encode_batch
+
+    formatted = _formatted_pairs(tokenizer, n=12, long_every=5)
+    formatted.loc[1, "completion"] = "<reasoning>" + "x " * 40 + "</reasoning><answer>1</answer>"
+    formatted.loc[2, "rejected"] = formatted.loc[2, "completion"]
+    rows, stats = preference.tokenize_pairs(formatted, tokenizer, _params(tmp_path))
+    assert stats["dropped"] == {"prompt_too_long": 3, "response_too_long": 1, "same_tokens": 1}
+    assert len(rows) == stats["pairs_out"] == 7 and "r0" not in set(rows["id"]) and "r1" not in set(rows["id"])
+    arrays = preference.pair_arrays(rows)
+    assert arrays["prompt_ids"].shape == (7, 48) and arrays["chosen_ids"].shape == (7, 32)
+    kept = formatted.set_index("id").loc[rows["id"]]
+    pad = tokenizer.pad_token_id
+    for i, (prompt, chosen) in enumerate(zip(kept["prompt"], kept["completion"])):
+        p, c = encode_batch(tokenizer, [prompt, chosen])
+        assert arrays["prompt_ids"][i, -len(p):].tolist() == p and set(arrays["prompt_ids"][i, : -len(p)]) <= {pad}
+        assert arrays["prompt_mask"][i].sum() == len(p) and arrays["prompt_mask"][i, -len(p):].all()
+        assert arrays["chosen_ids"][i, : len(c)].tolist() == c and arrays["chosen_mask"][i].sum() == len(c)
+        assert c[0] != tokenizer.bos_token_id  # no BOS before an answer (Tunix's string path puts one)
+
+
+# ---------------------------------------------------------------- training on Tunix's DPOTrainer
+def _flat(model, kind):
+    from flax import nnx
+
+    return {".".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, kind))}
+
+
+@pytest.mark.slow
+def test_dpo_resumes_and_precomputed_reference_equals_the_reference_model(tmp_path, tiny_model_dir, tokenizer):
+    """4 steps with a reference model == 2 steps with precomputed reference log-probs, then 2 more after a resume.
+
+    (A constant learning rate: the first 2-step run's schedule is then the same as the 4-step one's.)
+    """
+    from tunix_pipeline import preference
+    from tunix_pipeline.config import RuntimeParams
+    from tunix_pipeline.models import load_model
+    from tunix_pipeline.training import make_mesh
+
+    mesh = make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
+    pairs, _ = preference.tokenize_pairs(_formatted_pairs(tokenizer), tokenizer, _params(tmp_path))
+    train, held_out = pairs.iloc[:16], pairs.iloc[16:]
+    model, _ = load_model(tiny_model_dir, mesh, "float32")
+    straight = preference.train_preference(model, train, held_out, _params(tmp_path / "a", schedule="constant"), mesh)
+    assert straight["reference_model"] and straight["latest_step"] == 4
+    assert straight["heldout_pair_accuracy_before"] == 0.5  # policy == reference: every pair a tie
+    assert straight["heldout_pair_accuracy"] > 0.5
+    assert straight["history"][0]["rewards/accuracy"] == 0.5 and straight["history"][-1]["rewards/margin"] > 0
+
+    params = _params(tmp_path / "b", precompute_reference=True, schedule="constant")
+    model, _ = load_model(tiny_model_dir, mesh, "float32")
+    first = preference.train_preference(model, train, held_out, params.model_copy(update={"max_steps": 2}), mesh)
+    model, _ = load_model(tiny_model_dir, mesh, "float32")
+    resumed = preference.train_preference(model, train, held_out, params, mesh)
+    assert not first["reference_model"] and first["precomputed_reference"]
+    assert (resumed["resumed_from_step"], resumed["latest_step"]) == (2, 4)
+    # the same float32 sums reduced in another order: |log p| sums ~1e2 -> ~1e-5 apart, x beta
+    got = [h["loss"] for h in resumed["history"]]
+    np.testing.assert_allclose(got, [h["loss"] for h in straight["history"]], atol=1e-4)
+
+
+@pytest.mark.slow
+def test_orpo_with_lora_trains_only_the_adapters(tmp_path, tiny_model_dir, tokenizer):
+    from flax import nnx
+
+    from tunix_pipeline import preference
+    from tunix_pipeline.config import LoraParams, RuntimeParams
+    from tunix_pipeline.models import apply_lora, load_model
+    from tunix_pipeline.training import make_mesh
+
+    mesh = make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
+    pairs, _ = preference.tokenize_pairs(_formatted_pairs(tokenizer), tokenizer, _params(tmp_path))
+    model, _ = load_model(tiny_model_dir, mesh, "float32")
+    model = apply_lora(model, LoraParams(rank=4, alpha=8.0), mesh)
+    base, adapters = _flat(model, nnx.Param), _flat(model, nnx.LoRAParam)
+    result = preference.train_preference(model, pairs.iloc[:16], pairs.iloc[16:], _params(tmp_path, method="orpo"), mesh)
+    assert not result["reference_model"] and result["latest_step"] == 4
+    after = _flat(model, nnx.Param)
+    assert all(np.array_equal(base[k], after[k]) for k in base if k not in adapters)
+    assert any(not np.array_equal(adapters[k], v) for k, v in _flat(model, nnx.LoRAParam).items())
