@@ -255,3 +255,18 @@ def test_orpo_with_lora_trains_only_the_adapters(tmp_path, tiny_model_dir, token
     after = _flat(model, nnx.Param)
     assert all(np.array_equal(base[k], after[k]) for k in base if k not in adapters)
     assert any(not np.array_equal(adapters[k], v) for k, v in _flat(model, nnx.LoRAParam).items())
+
+
+def test_export_ships_the_last_stage_that_ran_from_the_current_checkpoint(caplog):
+    from tunix_pipeline.pipelines.export.nodes import final_checkpoint
+
+    sft = {"checkpoint_dir": "/c/sft", "latest_step": 200}
+    pref = {"enabled": True, "checkpoint_dir": "/c/pref", "latest_step": 20, "sft_checkpoint_dir": "/c/sft", "sft_step": 200}
+    grpo = {"enabled": True, "checkpoint_dir": "/c/grpo/actor", "latest_step": 4, "sft_checkpoint_dir": "/c/pref",
+            "sft_step": 20}
+    passed = {"enabled": False, "checkpoint_dir": "/c/pref", "latest_step": 20}
+    assert final_checkpoint(sft, grpo, pref) == ("grpo", "/c/grpo/actor")  # SFT -> SimPO -> GRPO
+    assert final_checkpoint(sft, passed, pref) == ("preference", "/c/pref")  # GRPO off
+    assert final_checkpoint({**sft, "latest_step": 210}, grpo, pref) == ("sft", "/c/sft")  # both stale
+    assert "preference_result is from SFT step 200" in caplog.text
+    assert final_checkpoint(sft, grpo, {**pref, "latest_step": 30}) == ("preference", "/c/pref")  # GRPO stale

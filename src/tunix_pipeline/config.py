@@ -356,6 +356,11 @@ class PreferenceParams(Strict):
                 raise ValueError(f"preference.data.sources must all have format: preference, got {sorted(formats)}")
         if self.method == "orpo" and self.sft_weight:
             raise ValueError("orpo has its own SFT term (weight 1): set sft_weight: 0, or use dpo/simpo with sft_weight")
+        if self.pairs == "from_rewards" and self.from_rewards.max_new_tokens >= self.max_response_length:
+            raise ValueError(
+                f"from_rewards.max_new_tokens ({self.from_rewards.max_new_tokens}) must be below max_response_length "
+                f"({self.max_response_length}): a sample and its end-of-turn must fit, or every pair is dropped"
+            )
         if self.precompute_reference and self.method != "dpo":
             raise ValueError(f"precompute_reference is for dpo; {self.method} has no reference model")
         return self

@@ -419,3 +419,51 @@ def _with_curves(losses: list[dict], curves: dict[str, np.ndarray]) -> list[dict
         for name, values in curves.items():
             entry[name] = float(values[i]) if i < len(values) else None
     return losses
+
+
+# ---------------------------------------------------------------- pairs from the model's own samples
+PAIR_COLUMNS = ["id", "source", "prompt", "completion", "rejected", "answer"]
+REWARD_PAIR_COLUMNS = PAIR_COLUMNS + ["chosen_reward", "rejected_reward"]
+
+
+def pairs_from_rewards(model, tokenizer, formatted: pd.DataFrame, params: PreferenceParams, rewards, mesh,
+                       max_prompts: int) -> tuple[pd.DataFrame, dict]:
+    """(pairs, counts): `k` samples per prompt with evaluation's sampler, scored with GRPO's rewards; per prompt
+    the best and the worst sample, kept where their weighted total rewards differ by at least `margin`.
+
+    A sample that stopped by itself gets the end-of-turn marker SFT taught (one cut off at
+    `max_new_tokens` does not), so a pair's answers read as the training data's do.
+    """
+    from tunix_pipeline.config import EvaluateParams
+    from tunix_pipeline.evaluation import Generator
+    from tunix_pipeline.formatting import end_of_turn
+    from tunix_pipeline.grpo import REWARD_COLUMNS, fitting_prompts
+
+    spec = params.from_rewards
+    rows, too_long = fitting_prompts(formatted.head(max_prompts), tokenizer, params.max_prompt_length)
+    counts = {"prompts": len(rows), "prompts_too_long": too_long, "samples": len(rows) * spec.num_samples}
+    if not len(rows):
+        return pd.DataFrame(columns=REWARD_PAIR_COLUMNS), {**counts, "pairs": 0, "below_margin": 0}
+    sampling = EvaluateParams(
+        num_prompts=len(rows), max_new_tokens=spec.max_new_tokens, batch_size=spec.batch_size,
+        temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, num_samples=spec.num_samples, seed=spec.seed,
+    )
+    with mesh:
+        texts, lengths = Generator(model, tokenizer, sampling, params.max_prompt_length)(rows["prompt"].tolist())
+    closing = end_of_turn(tokenizer)
+    k = spec.num_samples
+    completions = [t + closing if n < spec.max_new_tokens else t for t, n in zip(texts, lengths)]
+    columns = {key: np.repeat(rows[column].astype(str).to_numpy(), k) for key, column in REWARD_COLUMNS.items()
+               if column in rows}
+    total = rewards.score(np.repeat(rows["prompt"].to_numpy(), k), texts, **columns)["total"].reshape(-1, k)
+    best, worst = total.argmax(axis=1), total.argmin(axis=1)
+    keep = total[np.arange(len(rows)), best] - total[np.arange(len(rows)), worst] >= max(spec.margin, 1e-9)
+    out = []
+    for i in np.flatnonzero(keep):
+        row = rows.iloc[i]
+        out.append({"id": row["id"], "source": row["source"], "prompt": row["prompt"],
+                    "completion": completions[i * k + best[i]], "rejected": completions[i * k + worst[i]],
+                    "answer": row["answer"], "chosen_reward": float(total[i, best[i]]),
+                    "rejected_reward": float(total[i, worst[i]])})
+    counts.update(pairs=len(out), below_margin=int((~keep).sum()), mean_reward=float(total.mean()))
+    return pd.DataFrame(out, columns=REWARD_PAIR_COLUMNS), counts
