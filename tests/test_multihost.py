@@ -27,7 +27,7 @@ from .conftest import copy_project
 KEDRO = str(Path(sys.executable).parent / "kedro")
 # the shortest run that still goes through every stage: SFT, evaluation, one GRPO step, export
 SHORT = ("sft.max_steps=4,sft.warmup_steps=1,sft.checkpoint_every=2,grpo.max_steps=1,"
-         "grpo.max_completion_length=16,evaluate.num_prompts=8,evaluate.max_new_tokens=16")
+         "grpo.max_completion_length=16,evaluate.num_prompts=8,evaluate.max_new_tokens=16,preference.enabled=false")
 
 
 def _free_port() -> int:

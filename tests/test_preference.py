@@ -170,7 +170,7 @@ def _params(tmp_path, **kw):
 
     base = dict(enabled=True, method="dpo", max_steps=4, learning_rate=1e-3, beta=0.5, max_prompt_length=48,
                 max_response_length=32, per_device_batch_size=1, checkpoint_dir=str(tmp_path / "ck"),
-                checkpoint_every=2)
+                checkpoint_every=2, from_rewards={"max_new_tokens": 16})
     return PreferenceParams(**{**base, **kw})
 
 

@@ -453,6 +453,8 @@ class PlanParams(Strict):
     enabled: bool = True  # the sft pipeline runs the plan first and stops a run that cannot fit
     hardware: str = "auto"  # a profile name, or auto: the devices JAX sees
     mfu: float = Field(0.47, gt=0, le=1, description="assumed model FLOP utilisation")
+    # decoding (pair building, GRPO rollouts) reads every weight per token of a batch: far below training's MFU
+    generation_mfu: float = Field(0.05, gt=0, le=1, description="assumed FLOP utilisation while generating")
     checkpoint_seconds: float | None = Field(None, ge=0, description="null: checkpoint bytes / checkpoint_gb_per_s")
     checkpoint_gb_per_s: float = Field(0.5, gt=0)
     session_setup_minutes: float = Field(30.0, ge=0, description="per session: install, load, compile")

@@ -230,19 +230,23 @@ def _example(model, batch: dict):
 
 def pair_logps(model, rows: pd.DataFrame, batch_size: int, mesh) -> dict[str, np.ndarray]:
     """Summed answer log-probabilities and answer lengths of every pair (the last batch padded and cut off)."""
+    from jax.experimental import multihost_utils
     from tunix.sft import sharding_utils
 
-    from tunix_pipeline.training import BATCH_AXES
+    from tunix_pipeline.training import BATCH_AXES, process_rows
 
     arrays = {c: a for c, a in pair_arrays(rows).items() if c in PAIR_TOKEN_COLUMNS}
+    local = process_rows(mesh, batch_size)  # each process feeds its share of every batch, as in training
     out = {k: [] for k in ("chosen", "rejected", "chosen_len", "rejected_len")}
     with mesh:
         for start in range(0, len(rows), batch_size):
             batch = {k: v[start : start + batch_size] for k, v in arrays.items()}
             real = len(batch["prompt_ids"])
-            batch = {k: np.concatenate([v, np.repeat(v[-1:], batch_size - real, 0)]) for k, v in batch.items()}
+            batch = {k: np.concatenate([v, np.repeat(v[-1:], batch_size - real, 0)])[local] for k, v in batch.items()}
             example = _example(model, sharding_utils.shard_input(batch, BATCH_AXES))
             values = _sequence_logps_jit(model, example)
+            if jax.process_count() > 1:  # every process gets every pair's values
+                values = multihost_utils.process_allgather(values, tiled=True)
             for key, value in zip(out, values):
                 out[key].append(np.asarray(jax.device_get(value), np.float64)[:real])
     return {k: np.concatenate(v) if v else np.zeros(0) for k, v in out.items()}
@@ -276,13 +280,17 @@ def _trainer_class():
         """Tunix's DPOTrainer taking precomputed reference log-probabilities from the batch when it has them."""
 
         def _prepare_inputs(self, batch):
-            batch = dict(batch)
+            from tunix.sft import sharding_utils
+
+            from tunix_pipeline.training import BATCH_AXES
+
+            # each process's rows as one global batch first: the reference model's pass and the concatenation
+            # of chosen and rejected rows then run on the mesh, as on one host
+            batch = dict(sharding_utils.shard_input(dict(batch), BATCH_AXES))
             reference = [batch.pop(c, None) for c in REFERENCE_COLUMNS]
             example = super()._prepare_inputs(batch)
             if reference[0] is not None:
-                example = example.replace(
-                    ref_chosen_logps=jnp.asarray(reference[0]), ref_rejected_logps=jnp.asarray(reference[1])
-                )
+                example = example.replace(ref_chosen_logps=reference[0], ref_rejected_logps=reference[1])
             return example
 
     return PreferenceTrainer

@@ -145,7 +145,8 @@ def apply_current_session(params: dict, runtime_params: dict | None = None) -> d
         "grpo": {"checkpoint_dir": f"{params['grpo']['checkpoint_dir']}/{session.name}"},
     }
     if "preference" in params:
-        overrides["preference"] = {"checkpoint_dir": f"{params['preference']['checkpoint_dir']}/{session.name}"}
+        overrides["preference"] = {"checkpoint_dir": f"{params['preference']['checkpoint_dir']}/{session.name}",
+                                   "time_budget_hours": session.hours}
     if parent and parent["base_model_dir"]:  # a model the pipeline built (tiny): the parent's, tokenizer and all
         overrides["model"] = {"source": parent["base_model_dir"]}
     current = CurrentSession(index=index, name=session.name, hours=session.hours, parent=parent, plan_done=plan_done)
