@@ -270,3 +270,98 @@ def test_export_ships_the_last_stage_that_ran_from_the_current_checkpoint(caplog
     assert final_checkpoint({**sft, "latest_step": 210}, grpo, pref) == ("sft", "/c/sft")  # both stale
     assert "preference_result is from SFT step 200" in caplog.text
     assert final_checkpoint(sft, grpo, {**pref, "latest_step": 30}) == ("preference", "/c/pref")  # GRPO stale
+
+
+# ---------------------------------------------------------------- pairs from the model's own samples, and from data
+def longest_answer(prompts, completions, **_):
+    """A reward that differs between random samples: the length of the text."""
+    return [float(len(c)) for c in completions]
+
+
+def test_pairs_from_rewards_keep_best_and_worst_beyond_the_margin(tmp_path, tiny_model_dir, tokenizer):
+    from tunix_pipeline import preference
+    from tunix_pipeline.config import RewardParams, RuntimeParams
+    from tunix_pipeline.formatting import end_of_turn
+    from tunix_pipeline.models import load_model
+    from tunix_pipeline.rewards import RewardSet
+    from tunix_pipeline.training import make_mesh
+
+    mesh = make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
+    model, _ = load_model(tiny_model_dir, mesh, "float32")
+    formatted = _formatted_pairs(tokenizer, n=6).assign(source="s", answer="2")
+    rewards = RewardSet([RewardParams(fn="tests.test_preference:longest_answer")])
+    params = _params(tmp_path, from_rewards={"num_samples": 3, "max_new_tokens": 12, "batch_size": 8, "margin": 4.0})
+    pairs, counts = preference.pairs_from_rewards(model, tokenizer, formatted, params, rewards, mesh, max_prompts=5)
+    assert counts["prompts"] == 5 and counts["samples"] == 15 and counts["pairs"] + counts["below_margin"] == 5
+    assert len(pairs) == counts["pairs"] > 0
+    assert (pairs["chosen_reward"] - pairs["rejected_reward"] >= 4.0).all()
+    closing = end_of_turn(tokenizer)
+    for chosen, rejected, score in zip(pairs["completion"], pairs["rejected"], pairs["chosen_reward"]):
+        # the scored text is the sample; one that stopped by itself also carries the end-of-turn marker
+        assert len(chosen.removesuffix(closing)) == score and len(chosen) > len(rejected.removesuffix(closing))
+    assert set(pairs["id"]) <= set(formatted["id"].head(5))
+
+
+def test_pairs_from_data_are_ingested_and_formatted_by_the_node(tmp_path, tiny_model_dir):
+    import json
+
+    from tunix_pipeline.config import FormatParams, GrpoParams, ModelParams, PreferenceParams, RuntimeParams
+    from tunix_pipeline.pipelines.preference.nodes import build_pairs
+
+    path = tmp_path / "pairs.csv"
+    path.write_text("question,good,bad\nWhat is 1 + 1?,#### 2,3\nWhat is 2 + 2?,<reasoning>2 + 2</reasoning><answer>4</answer>,5\n"
+                    "What is 3 + 3?,6,\n")
+    params = PreferenceParams(enabled=True, pairs="from_data", data={
+        "sources": [{"name": "csv", "path": str(path), "format": "preference",
+                     "columns": {"prompt": "question", "chosen": "good", "rejected": "bad"}}],
+        "eval_fraction": 0.0})
+    train, held_out, report = build_pairs(
+        None, None, {"path": str(tiny_model_dir)}, {}, ModelParams(), params, GrpoParams(max_steps=1), FormatParams(),
+        RuntimeParams())
+    assert sorted(train["answer"]) == ["2", "4"] and len(held_out) == 0
+    assert report["data_quality"]["sources"]["csv"]["dropped"] == {"empty_field:bad": 1}
+    assert json.dumps(report)  # a JSON dataset
+    assert set(train["rejected"]) == {"<reasoning></reasoning><answer>3</answer><end_of_turn>",
+                                      "<reasoning></reasoning><answer>5</answer><end_of_turn>"}
+
+
+# ---------------------------------------------------------------- the plan
+def test_plan_holds_a_reference_only_for_dpo_without_precomputed_log_probs():
+    import yaml
+
+    from tunix_pipeline.config import (
+        LoraParams, ModelParams, PlanParams, PreferenceParams, RuntimeParams, SftParams, TokenizeParams,
+    )
+    from tunix_pipeline.planning import build_plan
+    from tunix_pipeline.planning.preference import add_preference
+
+    from .conftest import ROOT
+
+    plan = PlanParams(**{**yaml.safe_load((ROOT / "conf/base/parameters_plan.yml").read_text())["plan"],
+                         "hardware": "kaggle-tpu-v5e-8"})
+    sft = SftParams(max_steps=100, per_device_batch_size=4, learning_rate=1e-5, checkpoint_every=50,
+                    loss_chunk_size=256, remat="decoder")
+    tokenize, runtime = TokenizeParams(max_length=1024), RuntimeParams()
+
+    def stage(model, **kw):
+        pref = PreferenceParams(enabled=True, max_prompt_length=256, max_response_length=256,
+                                from_rewards={"max_new_tokens": 200}, **kw)
+        return add_preference(build_plan(model, sft, runtime, tokenize, plan), pref, plan)
+
+    full = ModelParams(source="google/gemma-2b", dtype="bfloat16")
+    dpo, pre, simpo = stage(full), stage(full, precompute_reference=True), stage(full, method="simpo")
+    weights_per_chip = 2.5e9 * 2 / 8 / 2**30  # Gemma-2B's bf16 weights over 8 chips
+    assert dpo.preference["selected"]["reference_gib"] == pytest.approx(weights_per_chip, rel=0.05)
+    assert pre.preference["reference"] == "precomputed" and pre.preference["selected"]["reference_gib"] == 0
+    assert simpo.preference["reference"] == "none" and simpo.preference["selected"]["reference_gib"] == 0
+    gap = dpo.preference["selected"]["memory_per_device_gib"] - pre.preference["selected"]["memory_per_device_gib"]
+    assert gap == pytest.approx(dpo.preference["selected"]["reference_gib"], abs=1e-3)
+    # precomputing costs one forward pass; training without a reference costs less a step than with one
+    assert simpo.preference["selected"]["step_seconds"] < dpo.preference["selected"]["step_seconds"]
+    assert dpo.preference["selected"]["pair_building_samples"] == (64 + 16) * 4 and dpo.summary()["preference"]  # defaults
+    lora = stage(full.model_copy(update={"lora": LoraParams(rank=16)}))
+    assert 0 < lora.preference["selected"]["reference_gib"] < 0.05  # the SFT adapters; the base is shared
+    # too many pairs per chip: a warning that names the fix, the run marked risky
+    big = stage(full, per_device_batch_size=16)
+    assert not big.preference["selected"]["fits"] and big.status in ("risky", "over")
+    assert any("the dpo stage needs" in w and "precompute_reference" in w for w in big.warnings)

@@ -142,7 +142,7 @@ class Plan:
         if self.xla:
             out["xla_check"] = self.xla
         if self.preference:
-            out["preference"] = self.preference
+            out["preference"] = {k: v for k, v in self.preference.items() if k != "params"}
         return out
 
 

@@ -30,12 +30,30 @@ def reference_bytes(plan: Plan, row: Row, pref: PreferenceParams) -> float:
     return row.memory.trainable_params * s.p_bytes  # the SFT adapters; the base is shared
 
 
+def stage_setup(row: Row, pref: PreferenceParams):
+    """The policy's train step on this profile: chosen and rejected rows of prompt + answer tokens."""
+    seq = pref.max_prompt_length + pref.max_response_length
+    return row.setup.replace(per_device_batch=2 * pref.per_device_batch_size, seq_len=seq, grad_accum=1,
+                             loss_chunk=None)
+
+
+def check_against_xla(plan: Plan, model, max_layers: int | None, timeout: float) -> dict:
+    """XLA's peak for the policy's step of the selected profile (SFT's step compiled at the stage's shape;
+    the reference's weights come on top of both figures)."""
+    import dataclasses
+
+    from tunix_pipeline.planning import check_against_xla as sft_check
+
+    setup = stage_setup(plan.selected, plan.preference["params"])
+    return sft_check(dataclasses.replace(plan, selected=dataclasses.replace(plan.selected, setup=setup)), model,
+                     max_layers, timeout)
+
+
 def stage_row(plan: Plan, row: Row, pref: PreferenceParams, params: PlanParams) -> dict:
     """The preference stage on one profile (the SFT row's mesh and dtypes)."""
     arch, hw = plan.job.arch, row.hw
     seq = pref.max_prompt_length + pref.max_response_length
-    setup = row.setup.replace(per_device_batch=2 * pref.per_device_batch_size, seq_len=seq, grad_accum=1,
-                              loss_chunk=None)
+    setup = stage_setup(row, pref)
     memory = estimate_memory(arch, setup)
     reference = reference_bytes(plan, row, pref)
     peak = memory.peak + reference
@@ -87,6 +105,7 @@ def add_preference(plan: Plan, pref: PreferenceParams, params: PlanParams) -> Pl
         "steps": pref.max_steps,
         "selected": {"hardware": plan.selected.profile, **selected},
         "profiles": rows,
+        "params": pref,  # for the XLA check; not in the summary
     }
     if not selected["fits"]:
         plan.warnings.append(
@@ -113,6 +132,14 @@ def markdown_section(plan: Plan) -> list[str]:
         f"of {s['step_seconds']:.2f} s, pair building {s['pair_building_samples']} samples in "
         f"{s['pair_building_hours']:.3g} h; {s['hours']:.3g} h in all.",
         "",
+    ]
+    if p.get("xla_check"):
+        x = p["xla_check"]
+        lines += [f"Checked against XLA (the policy's step compiled on a fake CPU mesh, {x.get('dtype')}, without "
+                  "the reference): " + (f"XLA {size(x['xla_gib'] * GIB)}, estimate {size(x['estimate_gib'] * GIB)} "
+                                        f"({x['difference']:+.0%})." if "xla_gib" in x
+                                        else f"not compiled: {x.get('error')}"), ""]
+    lines += [
         "| hardware | memory/device | fits | step s | pair building h | hours | cost |",
         "|---|---:|---|---:|---:|---:|---:|",
     ]

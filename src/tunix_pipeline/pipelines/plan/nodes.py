@@ -7,6 +7,7 @@ from tunix_pipeline.config import (
 )
 from tunix_pipeline.planning import DoesNotFit, build_plan, check_against_xla, markdown, refusal
 from tunix_pipeline.planning.preference import add_preference
+from tunix_pipeline.planning.preference import check_against_xla as check_preference_against_xla
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +22,10 @@ def plan_training(
                             plan)
     if plan.xla_check.enabled:
         result.xla = check_against_xla(result, model, plan.xla_check.max_layers, plan.xla_check.timeout_seconds)
+        if result.preference:
+            result.preference["xla_check"] = check_preference_against_xla(
+                result, model, plan.xla_check.max_layers, plan.xla_check.timeout_seconds
+            )
     text = markdown(result)
     print(text)  # noqa: T201 - the table is this pipeline's output
     return result.summary(), text
