@@ -365,3 +365,36 @@ def test_plan_holds_a_reference_only_for_dpo_without_precomputed_log_probs():
     big = stage(full, per_device_batch_size=16)
     assert not big.preference["selected"]["fits"] and big.status in ("risky", "over")
     assert any("the dpo stage needs" in w and "precompute_reference" in w for w in big.warnings)
+
+
+# ---------------------------------------------------------------- sessions: SFT -> SimPO -> GRPO
+def test_sessions_hand_on_the_last_stage_of_the_previous_session(tmp_path):
+    from tunix_pipeline.sessions import Ledger, apply_current_session
+
+    ledger = Ledger(tmp_path)
+    ledger.record_finished(0, "sft_lora", {"checkpoint_dir": str(tmp_path / "06_models/sft/sft_lora"), "step": 600})
+    ledger.record_finished(1, "simpo", {
+        "checkpoint_dir": str(tmp_path / "06_models/sft/sft_lora"), "step": 600,
+        "preference_checkpoint_dir": str(tmp_path / "06_models/pref/simpo"), "preference_step": 100,
+    })
+    assert ledger.finished("simpo")["preference_checkpoint_dir"] == "06_models/pref/simpo"  # relative to the root
+    params = {
+        "runtime": {"output_root": str(tmp_path)},
+        "sft": {"checkpoint_dir": "ck/sft"}, "grpo": {"checkpoint_dir": "ck/grpo"},
+        "preference": {"checkpoint_dir": "ck/pref", "enabled": False},
+        "sessions": {"plan": [
+            {"name": "sft_lora", "hours": 4},
+            {"name": "simpo", "hours": 3, "params": {"sft": {"max_steps": 0}, "preference": {"enabled": True}}},
+            {"name": "grpo", "hours": 9, "params": {"sft": {"max_steps": 0}, "grpo": {"enabled": True}}},
+        ]},
+    }
+    current = apply_current_session(params)
+    assert current["sessions"]["current"]["name"] == "grpo"
+    assert current["sft"]["init_from"] == str(tmp_path / "06_models/pref/simpo")  # SimPO's policy, not SFT's
+    assert current["sessions"]["current"]["parent"]["step"] == 100
+    assert current["preference"] == {"checkpoint_dir": "ck/pref/grpo", "enabled": False, "time_budget_hours": 9}
+    del ledger.data["finished"]["simpo"]
+    ledger.save()
+    second = apply_current_session(params)  # session 2: SimPO on, with its own folder and the session's hours
+    assert second["preference"] == {"checkpoint_dir": "ck/pref/simpo", "enabled": True, "time_budget_hours": 3}
+    assert second["sft"]["init_from"] == str(tmp_path / "06_models/sft/sft_lora")

@@ -12,7 +12,6 @@ reads every weight for each token of a batch, so it runs far below training's MF
 
 from __future__ import annotations
 
-import math
 
 from tunix_pipeline.config import PlanParams, PreferenceParams
 from tunix_pipeline.planning.memory import GIB, estimate_memory
