@@ -398,3 +398,15 @@ def test_sessions_hand_on_the_last_stage_of_the_previous_session(tmp_path):
     second = apply_current_session(params)  # session 2: SimPO on, with its own folder and the session's hours
     assert second["preference"] == {"checkpoint_dir": "ck/pref/simpo", "enabled": True, "time_budget_hours": 3}
     assert second["sft"]["init_from"] == str(tmp_path / "06_models/sft/sft_lora")
+
+
+def test_too_few_pairs_stop_before_any_weights_load(tmp_path, tokenizer):
+    from tunix_pipeline import preference
+    from tunix_pipeline.config import RuntimeParams
+    from tunix_pipeline.training import make_mesh
+
+    mesh = make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
+    with pytest.raises(preference.PreferenceError,
+                       match=r"3 training pairs cannot fill one batch of 4 pairs .*dropped \{'prompt_too_long': 2"):
+        preference.check_enough_pairs(3, _params(tmp_path), mesh, {"prompt_too_long": 2, "same_tokens": 0})
+    assert preference.check_enough_pairs(4, _params(tmp_path), mesh) == 4

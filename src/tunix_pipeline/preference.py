@@ -270,6 +270,22 @@ def heldout_accuracy(model, rows: pd.DataFrame, params: PreferenceParams, batch_
 
 
 # ---------------------------------------------------------------- the run
+def check_enough_pairs(pairs: int, params: PreferenceParams, mesh, dropped: dict | None = None) -> int:
+    """The global batch (pairs per step); a `PreferenceError` when the training pairs cannot fill one."""
+    from tunix_pipeline.training import data_parallel_size
+
+    batch_size = params.per_device_batch_size * data_parallel_size(mesh)
+    if pairs < batch_size:
+        raise PreferenceError(
+            f"{pairs} training pairs cannot fill one batch of {batch_size} pairs (preference.per_device_batch_size "
+            f"x {data_parallel_size(mesh)} data-parallel devices)"
+            + (f"; tokenizing dropped {dropped}" if dropped and sum(dropped.values()) else "")
+            + ": lower preference.per_device_batch_size, raise max_prompt_length / max_response_length, or build "
+            "more pairs (from_rewards: more max_prompts, a lower margin)"
+        )
+    return batch_size
+
+
 @functools.cache
 def _trainer_class():
     from tunix.sft.dpo import dpo_trainer
@@ -319,13 +335,7 @@ def train_preference(
     from tunix_pipeline.tracking import scalar_listeners_scope
 
     sft = params.as_sft()  # the optimizer, schedule and checkpoint settings, as SFT reads them
-    batch_size = training.global_batch_size(sft, mesh)
-    if len(train_pairs) < batch_size:
-        raise PreferenceError(
-            f"{len(train_pairs)} training pairs cannot fill one batch of {batch_size} pairs "
-            f"(preference.per_device_batch_size x {training.data_parallel_size(mesh)} data-parallel devices); "
-            "lower it or build more pairs"
-        )
+    batch_size = check_enough_pairs(len(train_pairs), params, mesh)
     local = training.process_rows(mesh, batch_size)
     ckpt_dir = storage_path(params.checkpoint_dir, "preference.checkpoint_dir")
     dpo = params.method == "dpo"

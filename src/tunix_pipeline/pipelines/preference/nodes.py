@@ -80,6 +80,7 @@ def run_preference(
     train_tokens, train_stats = pref.tokenize_pairs(train_pairs, tokenizer, params)
     eval_tokens, eval_stats = pref.tokenize_pairs(eval_pairs, tokenizer, params)
     mesh = make_mesh(runtime)
+    pref.check_enough_pairs(len(train_tokens), params, mesh, train_stats["dropped"])  # before any weights load
     network, _ = load_run_model(base_model["path"], model, mesh)
     step = restore_required(network, sft_result["checkpoint_dir"], "sft", "preference")
     backends = metrics_backends(tracking, runtime.output_root, "preference")
