@@ -201,7 +201,7 @@ def worker_tunix_default(args) -> dict:
         )
         with mesh:
             if args.with_cpu_options:  # ablation: Tunix's trainer with our compile options
-                trainer = training._trainer_class()(
+                trainer = training.trainer_class()(
                     model, training.make_optimizer(sft), config, metrics_logger=metrics_logger.MetricsLogger(options)
                 )
             else:

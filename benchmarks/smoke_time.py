@@ -36,7 +36,10 @@ STAGES = {  # node name prefix -> the stage it belongs to, for the summary (firs
     "plan": "plan",
     "train_sft": "sft",
     "evaluate_after_grpo": "evaluate after grpo",
+    "evaluate_after_preference": "evaluate after preference",
     "evaluate": "evaluate",
+    "build_preference_pairs": "preference pairs",
+    "run_preference": "preference",
     "run_grpo": "grpo",
     "export": "export",
     "check_smoke": "smoke checks",
@@ -111,7 +114,11 @@ def worker(project: Path) -> dict:
         for k in s:
             s[k] += n[k]
     first = min((n["started_at"] for n in timer.nodes), default=None)
+    preference = json.loads((project / "data" / "06_models" / "preference_result.json").read_text())
     return {
+        # the preference stage's held-out pair accuracy (ties half): the SFT model, then after its steps
+        "preference": {k: preference.get(k) for k in (
+            "method", "latest_step", "train_pairs", "eval_pairs", "heldout_pair_accuracy_before", "heldout_pair_accuracy")},
         "process_seconds": time.perf_counter() - STARTED,
         "startup_seconds": first,  # imports, session, config, hooks (MLflow run) before the first node
         "session_created_seconds": session_ready,

@@ -59,6 +59,9 @@ def _good(fmt: str, marker: str, text: str) -> dict:
         return {"instruction": f"{marker} {text}", "input": text, "output": completion}
     if fmt == "prompt_response":
         return {"prompt": f"{marker} {text}", "response": completion}
+    if fmt == "preference":  # the text shape; the chat shape is in tests/test_preference.py
+        return {"prompt": f"{marker} {text}", "chosen": completion,
+                "rejected": f"<reasoning>{text}</reasoning><answer>{len(text) + 1}</answer>"}
     return {"messages": [{"role": "system", "content": text}, {"role": "user", "content": f"{marker} {text}"},
                          {"role": "assistant", "content": completion}]}
 
@@ -76,6 +79,8 @@ def bad_kinds(fmt: str, ftype: str) -> list[str]:
         kinds += ["missing", "wrong_type", "lone_surrogate", "bad_byte"]
     if ftype == "csv":
         kinds += ["bad_byte", "ragged"]
+    if fmt == "preference":
+        kinds += ["same_answers"]
     if fmt == "messages":
         kinds += ["unknown_role", "no_assistant", "no_user", "empty_content"]
         if ftype in JSON_TYPES:
@@ -123,9 +128,14 @@ def _bad_row(draw, fmt: str, ftype: str, good: dict, kind: str) -> tuple[object,
             row["answer"] = "2 + 2 = 4\n####  "
         elif fmt == "messages":
             row["messages"][-1]["content"] = "<reasoning>r</reasoning><answer> </answer>"
+        elif fmt == "preference":
+            row[col] = "<reasoning>r</reasoning><answer></answer>"
         else:
             row["output" if fmt == "alpaca" else "response"] = "<reasoning>r</reasoning><answer></answer>"
         return row, "empty_answer"
+    if kind == "same_answers":
+        row["rejected"] = row["chosen"]
+        return row, "same_answers"
     if kind == "unknown_role":
         roles = ["bot", "human", "User", "", "tool call"] + ([None, 5] if ftype in JSON_TYPES else [])
         role = draw(st.sampled_from(roles))
@@ -328,9 +338,13 @@ def _examples(strategy, n: int) -> list:
 
 @pytest.mark.slow
 def test_generated_sources_through_kedro_with_mlflow(project):
-    """Every format and file type in one `ingest` run, with MLflow on: it finishes, the report and metrics agree."""
+    """Every format and file type in one `ingest` run, with MLflow on: it finishes, the report and metrics agree.
+
+    (Preference pairs are ingested by the preference stage from `preference.data`, not by `ingest.sources`:
+    `test_generated_rows_are_kept_counted_or_dropped_with_their_line` covers them.)
+    """
     wants, sources = {}, []
-    for k, (fmt, ftype) in enumerate(COMBINATIONS):
+    for k, (fmt, ftype) in enumerate(c for c in COMBINATIONS if c[0] != "preference"):
         rows = _examples(source_rows(fmt, ftype, prefix=f"s{k}r"), 8)[-1]
         path = Path("data/01_raw") / f"gen_{k}{SUFFIX[ftype]}"  # relative to the project, as users write them
         name = f"{fmt} ({ftype}, #{k})"  # characters MLflow refuses in metric names

@@ -363,7 +363,7 @@ def test_export_pipeline_writes_gguf_and_a_modelfile(project):
 
     bootstrap_project(project)
     params = {"sft": {"max_steps": 2, "warmup_steps": 0, "checkpoint_every": 2}, "grpo": {"enabled": False},
-              "export": {"formats": ["hf", "gguf"], "gguf_types": ["q8_0", "bf16"]}}
+              "preference": {"enabled": False}, "export": {"formats": ["hf", "gguf"], "gguf_types": ["q8_0", "bf16"]}}
     with KedroSession.create(project_path=project, runtime_params=params) as session:
         session.run(pipeline_names=["ingest", "base_model", "format", "tokenize", "sft", "grpo", "export"])
     exported = json.loads((project / "data" / "06_models" / "exported_model.json").read_text())

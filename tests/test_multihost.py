@@ -30,7 +30,7 @@ from .conftest import copy_project
 KEDRO = str(Path(sys.executable).parent / "kedro")
 # the shortest run that still goes through every stage: SFT, evaluation, one GRPO step, export
 SHORT = ("sft.max_steps=4,sft.warmup_steps=1,sft.checkpoint_every=2,grpo.max_steps=1,"
-         "grpo.max_completion_length=16,evaluate.num_prompts=8,evaluate.max_new_tokens=16")
+         "grpo.max_completion_length=16,evaluate.num_prompts=8,evaluate.max_new_tokens=16,preference.enabled=false")
 
 
 def _free_port() -> int:
@@ -81,7 +81,8 @@ def test_two_kedro_processes_run_the_whole_dag_and_export_what_one_process_expor
 
     # one process of 8 devices exports the same checkpoints (the two-process run's stage results)
     single = tmp_path / "single"
-    for name in ("02_intermediate/base_model.json", "06_models/sft_result.json", "06_models/grpo_result.json"):
+    for name in ("02_intermediate/base_model.json", "06_models/sft_result.json", "06_models/preference_result.json",
+                 "06_models/grpo_result.json"):
         (single / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(host0 / name, single / name)
     _finish(_kedro(project, 8, f"runtime.output_root={single},tracking.enabled=false", "--pipelines=export"))

@@ -23,7 +23,9 @@ from tunix_pipeline.planning.memory import GIB
 
 from .conftest import ROOT, copy_project
 
-RECIPES = ["tpu_full", "qwen05b_v5e8", "gpu24_lora", "gpu80_lora_7b", "v4_64_pod"]
+RECIPES = ["tpu_full", "qwen05b_v5e8", "gpu24_lora", "gpu80_lora_7b", "v4_64_pod", "kaggle_gemma3_1b_v5e8",
+           "kaggle_gemma2_2b_v5e8"]
+KAGGLE = ["kaggle_gemma3_1b_v5e8", "kaggle_gemma2_2b_v5e8"]
 # the one recipe whose plan is also compiled and checked against XLA (~15 s); the others skip it
 XLA_CHECKED = "qwen05b_v5e8"
 # the pod's mesh names all 32 of its devices: it is planned by the CLI in a process that has them
@@ -254,6 +256,35 @@ def test_tpu_full_against_seed_000(plans):
     # seed 000's session 1: SFT within one 9 h Kaggle session, a checkpoint every 1000 steps
     assert summary["sessions"] == 1 and summary["steps_per_session"] >= summary["steps"] == 3000
     assert summary["memory_fraction"] < 1 and summary["global_batch"] == 32
+
+
+@pytest.mark.parametrize("env", KAGGLE)
+def test_kaggle_recipe_chains_lora_sft_simpo_grpo_within_the_session_and_week(plans, params, env):
+    """The hackathon's recipe: LoRA SFT, then SimPO, then GRPO, one Kaggle TPU v5e-8 session each."""
+    p, (summary, report) = params[env], plans[env]
+    hw = p["plan"].profiles[p["plan"].hardware]
+    sessions = p["sessions"]["plan"]
+    assert [s["name"] for s in sessions] == ["sft_lora", "simpo", "grpo"]
+    assert all(s["hours"] <= hw.session_hours for s in sessions)  # 9 h a session
+    assert sum(s["hours"] for s in sessions) <= min(p["sessions"]["weekly_hours"], hw.weekly_hours)  # 20 h a week
+    # session 1 (the parameters the nodes get now): LoRA SFT only
+    assert p["model"].lora is not None and not p["preference"].enabled and not p["grpo"].enabled
+    assert sessions[1]["params"] == {"sft": {"max_steps": 0}, "preference": {"enabled": True}}
+    assert sessions[2]["params"] == {"sft": {"max_steps": 0}, "grpo": {"enabled": True}}
+    assert p["preference"].method == "simpo" and p["preference"].pairs == "from_rewards"
+    # SFT fits a 16 GiB chip and its session, set-up included
+    assert summary["memory_per_device_gib"] <= hw.memory_gib * p["plan"].usable_memory_fraction
+    assert summary["sessions"] == 1 and summary["hours"] <= sessions[0]["hours"]
+    # SimPO (planned from session 2's parameters): no reference model, fits, pair building and training in time
+    pref = summary["preference"]["selected"]
+    assert summary["preference"]["method"] == "simpo" and summary["preference"]["reference"] == "none"
+    assert pref["fits"] and pref["reference_gib"] == 0 and pref["pair_building_samples"] > 0
+    assert pref["session_hours"] == sessions[1]["hours"]
+    assert pref["hours"] + p["plan"].session_setup_minutes / 60 <= sessions[1]["hours"] and pref["within_session"]
+    assert "## Preference stage (simpo, pairs from rewards, reference none)" in report
+    # GRPO: seed 000 counts ~150 samples an hour at the slowest; session 3 holds its steps
+    grpo = p["grpo"]
+    assert grpo.max_steps * grpo.batch_size * grpo.num_generations / 150 <= sessions[2]["hours"]
 
 
 # ---------------------------------------------------------------- knobs the recipes needed

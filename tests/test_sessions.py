@@ -101,6 +101,7 @@ def test_sessions_continue_on_new_data_with_lineage(project):
     (env / "parameters.yml").write_text(yaml.safe_dump({
         "sft": {"max_steps": 40, "checkpoint_every": 20},
         "plan": {"xla_check": {"enabled": False}},
+        "preference": {"enabled": False},  # SFT -> GRPO here; the preference stage's sessions: test_recipes.py
         "sessions": {
             "weekly_hours": 20,
             "plan": [

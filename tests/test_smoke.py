@@ -31,17 +31,30 @@ def test_smoke_pipeline_end_to_end_then_resume(project):
     assert "| eval_loss |" in (reporting / "eval_report.md").read_text()
     assert (reporting / "loss_curve.png").stat().st_size > 0 and (reporting / "grpo_curves.png").stat().st_size > 0
 
-    # GRPO from the SFT checkpoint, then the evaluation after it
+    # DPO on pairs from the SFT model's own samples: they separate on held-out prompts' pairs
+    pairs = json.loads((reporting / "preference_pairs.json").read_text())
+    assert pairs["pairs"] == "from_rewards" and pairs["train"]["pairs"] >= 32 and pairs["eval"]["pairs"] >= 10
+    preference = json.loads((project / "data" / "06_models" / "preference_result.json").read_text())
+    assert preference["enabled"] and preference["sft_step"] == 200 and preference["latest_step"] == 30
+    assert preference["reference_model"] and (project / "data" / "06_models" / "preference_checkpoints" / "30").is_dir()
+    assert preference["heldout_pair_accuracy_before"] == 0.5  # the policy is its reference: every pair a tie
+    assert preference["heldout_pair_accuracy"] >= 0.8
+    after_pref = json.loads((reporting / "preference_eval_metrics.json").read_text())
+    assert after_pref["tuned"]["eval_loss"] == pytest.approx(metrics["tuned"]["eval_loss"])
+    assert after_pref["preference"]["checkpoint_step"] == 30 and smoke["checks"]["preference_model_evaluated"]
+
+    # GRPO from the DPO policy, then the evaluation after it
     grpo = json.loads((project / "data" / "06_models" / "grpo_result.json").read_text())
-    assert grpo["enabled"] and grpo["sft_step"] == 200 and grpo["latest_step"] == 4 and grpo["reference_model"]
+    assert grpo["enabled"] and grpo["sft_step"] == 30 and grpo["latest_step"] == 4 and grpo["reference_model"]
+    assert grpo["sft_checkpoint_dir"] == preference["checkpoint_dir"]
     assert (project / "data" / "06_models" / "grpo_checkpoints" / "actor" / "4").is_dir()
     assert [h["step"] for h in grpo["history"]] == [1, 2, 3, 4]
     assert all(h["reward"] is not None and h["kl"] is not None for h in grpo["history"])
     assert smoke["checks"]["grpo_model_evaluated"] and smoke["checks"]["grpo_model_exported"]
     after = json.loads((reporting / "grpo_eval_metrics.json").read_text())
     assert set(after) == {"tuned", "grpo"} and after["grpo"]["checkpoint_step"] == 4
-    # the same SFT checkpoint, rows and compiled evaluation: equal (approx only for the trip through JSON)
-    assert after["tuned"]["eval_loss"] == pytest.approx(metrics["tuned"]["eval_loss"])
+    # the same DPO checkpoint, rows and compiled evaluation: equal (approx only for the trip through JSON)
+    assert after["tuned"]["eval_loss"] == pytest.approx(after_pref["preference"]["eval_loss"])
     assert "| metric | tuned | grpo | grpo − tuned |" in (reporting / "grpo_eval_report.md").read_text()
     grpo_samples = [json.loads(line) for line in (project / "data" / "07_model_output" / "grpo_eval_samples.jsonl").open()]
     assert {s["model"] for s in grpo_samples} == {"tuned", "grpo"}
@@ -55,10 +68,16 @@ def test_smoke_pipeline_end_to_end_then_resume(project):
         assert client.get_metric_history(run.info.run_id, name), name
     assert run.data.metrics["eval_metrics.tuned.eval_loss"] == pytest.approx(metrics["tuned"]["eval_loss"])
     assert run.data.params["sft.max_steps"] == "200"
+    # the preference stage under its own prefix: SFT's train/loss above is untouched
+    for name in ("preference/train/loss", "preference/train/rewards/margin", "preference/train/rewards/accuracy"):
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, name)) == list(range(1, 31)), name
+    held_out = client.get_metric_history(run.info.run_id, "preference/eval/pair_accuracy")
+    assert sorted((m.step, m.value) for m in held_out)[0] == (0, 0.5)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"eval_samples.jsonl", "eval_metrics.json", "data_quality_report.json", "tokenize_report.json"} <= artifacts
     assert {"eval_report.md", "loss_curve.png", "grpo_curves.png", "grpo_result.json", "grpo_eval_report.md",
-            "grpo_eval_samples.jsonl", "grpo_eval_metrics.json"} <= artifacts
+            "grpo_eval_samples.jsonl", "grpo_eval_metrics.json", "preference_result.json", "preference_curves.png",
+            "preference_eval_report.md", "preference_pairs_report.json"} <= artifacts
     # GRPO per step, each metric once per step (a closed SFT trainer must not log it a second time)
     for name in ("reward/train/total/mean", "reward/train/total/std", "reward/train/answer/mean",
                  "reward/train/format_exact/std", "completions/train/mean_length"):
@@ -82,6 +101,7 @@ def test_smoke_pipeline_end_to_end_then_resume(project):
         "model": {"lora": {"rank": 4, "alpha": 8.0}},
         "sft": {"max_steps": 20, "checkpoint_every": 10, "checkpoint_dir": "data/06_models/lora_checkpoints"},
         "grpo": {"max_steps": 1, "beta": 0.0, "loss_variant": "dr-grpo", "checkpoint_dir": "data/06_models/lora_grpo"},
+        "preference": {"enabled": False},  # LoRA preference training: tests/test_preference.py
         "export": {"output_dir": "data/06_models/lora_export"},
     }
     with KedroSession.create(project_path=project, runtime_params=lora_run) as session:

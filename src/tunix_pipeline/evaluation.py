@@ -301,11 +301,13 @@ def empty_report(reason: str) -> str:
 
 
 # ---------------------------------------------------------------- curves
-def training_curves(sft_history: list[dict] | None, grpo_history: list[dict] | None = None):
-    """A matplotlib figure: the SFT loss per step and, when GRPO ran, its total reward and KL per step."""
+def training_curves(sft_history: list[dict] | None, grpo_history: list[dict] | None = None,
+                    preference_history: list[dict] | None = None, method: str = "preference"):
+    """A matplotlib figure: the SFT loss per step; when they ran, the preference stage's loss, margin and
+    accuracy, and GRPO's total reward and KL per step."""
     from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 
-    panels = 1 + bool(grpo_history)
+    panels = 1 + bool(grpo_history) + bool(preference_history)
     fig = Figure(figsize=(6 * panels, 4))
     axes = fig.subplots(1, panels, squeeze=False)
     ax = axes[0][0]
@@ -314,8 +316,17 @@ def training_curves(sft_history: list[dict] | None, grpo_history: list[dict] | N
         ax.set_yscale("log")
     ax.set(title="SFT", xlabel="step", ylabel="loss")
     ax.grid(alpha=0.3)
-    if grpo_history:
+    if preference_history:
         ax = axes[0][1]
+        steps = [h["step"] for h in preference_history]
+        ax.plot(steps, [h["loss"] for h in preference_history], label="loss")
+        ax.plot(steps, [h.get("rewards/margin") for h in preference_history], label="reward margin")
+        ax.plot(steps, [h.get("rewards/accuracy") for h in preference_history], label="pair accuracy")
+        ax.set(title=method.upper(), xlabel="step")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    if grpo_history:
+        ax = axes[0][-1]
         steps = [h["step"] for h in grpo_history]
         ax.plot(steps, [h.get("reward") for h in grpo_history], marker="o", label="total reward")
         ax.set(title="GRPO", xlabel="step", ylabel="reward")

@@ -73,17 +73,14 @@ def end_of_turn(tokenizer) -> str:
 
 def format_records(records: pd.DataFrame, tokenizer, params: FormatParams) -> pd.DataFrame:
     closing = end_of_turn(tokenizer)
+    pairs = "rejected_answer" in records.columns
     rows = []
     for record in records.to_dict(orient="records"):
         prompt = render_prompt(_conversation(record, params.system_prompt), tokenizer, params)
         completion = reasoning_completion(record["reasoning"], record["answer"]) + closing
-        rows.append(
-            {
-                "id": record["id"],
-                "source": record["source"],
-                "prompt": prompt,
-                "completion": completion,
-                "answer": record["answer"],
-            }
-        )
-    return pd.DataFrame(rows, columns=FORMATTED_COLUMNS)
+        row = {"id": record["id"], "source": record["source"], "prompt": prompt, "completion": completion,
+               "answer": record["answer"]}
+        if pairs:  # a preference record: its rejected answer in the same format
+            row["rejected"] = reasoning_completion(record["rejected_reasoning"], record["rejected_answer"]) + closing
+        rows.append(row)
+    return pd.DataFrame(rows, columns=FORMATTED_COLUMNS + (["rejected"] if pairs else []))

@@ -108,7 +108,7 @@ class ProjectHooks:
     def after_node_run(self, node, outputs: dict) -> None:
         from tunix_pipeline import tracking
 
-        self._results.update({k: v for k, v in outputs.items() if k in ("sft_result", "grpo_result")})
+        self._results.update({k: v for k, v in outputs.items() if k in ("sft_result", "preference_result", "grpo_result")})
         planned = (outputs.get("sft_plan") or {}).get("hours")
         if planned is not None and self._started and self._sessions.current:
             message, over = expectation(self._sessions, self._ledger(), planned)
@@ -154,15 +154,16 @@ class ProjectHooks:
                 "session.parent": parent.get("session")}
 
     def _end_session(self, catalog, failed: bool) -> None:
-        """Records the run in the ledger; the session is finished once its SFT (and GRPO) reached their steps."""
+        """Records the run in the ledger; the session is finished once its SFT (preference, GRPO) reached their steps."""
         import jax
 
         current = self._sessions.current if self._sessions else None
         if current is None or not self._started or jax.process_index() != 0:
             return
         sft, grpo = self._results.get("sft_result"), self._results.get("grpo_result")
+        preference = self._results.get("preference_result")
         finished = not failed and sft is not None and not sft.get("stopped_early") \
-            and sft["latest_step"] is not None and (not grpo or not grpo.get("stopped_early"))
+            and sft["latest_step"] is not None and not any((r or {}).get("stopped_early") for r in (preference, grpo))
         ledger = self._ledger()
         run_id = self._run.info.run_id if self._run is not None else None
         outcome = "failed" if failed else "finished" if finished else "stopped"
@@ -172,6 +173,8 @@ class ProjectHooks:
             base = catalog.load("base_model") if catalog.exists("base_model") else {}
             if base.get("source") == "tiny" or Path(base.get("source", "")).is_dir():
                 entry["base_model_dir"] = base["path"]  # a local model (built: tiny): the next session needs this one
+            if preference and preference.get("enabled"):
+                entry.update(preference_checkpoint_dir=preference["checkpoint_dir"], preference_step=preference["latest_step"])
             if grpo and grpo.get("enabled"):
                 entry.update(grpo_checkpoint_dir=grpo["checkpoint_dir"], grpo_step=grpo["latest_step"])
             ledger.record_finished(current.index, current.name, entry)

@@ -29,6 +29,8 @@ from tunix_pipeline.config import IngestParams, SourceParams
 from tunix_pipeline.errors import UserError
 
 RECORD_COLUMNS = ["id", "source", "prompt", "messages", "reasoning", "answer"]
+# preference records: reasoning/answer are the chosen answer's, these the rejected one's
+REJECTED_COLUMNS = ["rejected_reasoning", "rejected_answer"]
 MAX_DROPPED_ROWS_IN_REPORT = 10_000  # per source; the counts stay exact beyond it
 
 # Canonical fields each format reads (optional ones may be absent or empty).
@@ -37,6 +39,8 @@ FORMAT_FIELDS = {
     "alpaca": {"required": ["instruction", "output"], "optional": ["input", "reasoning"]},
     "prompt_response": {"required": ["prompt", "response"], "optional": ["reasoning"]},
     "messages": {"required": ["messages"], "optional": []},
+    # chosen/rejected: answer texts beside a `prompt`, or chat lists that include the prompt turns
+    "preference": {"required": ["chosen", "rejected"], "optional": ["prompt"]},
 }
 ROLES = ("system", "user", "assistant")
 _TAGGED = re.compile(r"^\s*<reasoning>(.*?)</reasoning>\s*<answer>(.*?)</answer>\s*$", re.S)
@@ -372,11 +376,34 @@ def _map_row(row: dict, source: SourceParams) -> dict:
             completion = _text(row, col["response"], True)
         reasoning, answer = split_completion(completion)
         reasoning = _text(row, col["reasoning"], False) or reasoning
+    elif source.format == "preference":
+        return _map_pair(row, col)
     else:
         messages, reasoning, answer = _map_messages(row, col["messages"])
     if not answer:
         raise BadRow("empty_answer", "the answer is empty")
     return {"prompt": prompt, "messages": messages, "reasoning": reasoning, "answer": answer}
+
+
+def _map_pair(row: dict, col: dict) -> dict:
+    """A preference row: `prompt` with chosen/rejected texts, or chosen/rejected chats sharing their prompt turns."""
+    chosen, rejected = row.get(col["chosen"]), row.get(col["rejected"])
+    if isinstance(chosen, str) or isinstance(rejected, str) or chosen is None or rejected is None:
+        chosen_reasoning, chosen_answer = split_completion(_text(row, col["chosen"], True))
+        rejected_reasoning, rejected_answer = split_completion(_text(row, col["rejected"], True))
+        prompt, messages = _text(row, col["prompt"], True), None
+    else:  # the UltraFeedback-binarized shape: each side is the whole chat, prompt turns included
+        messages, chosen_reasoning, chosen_answer = _map_messages(row, col["chosen"])
+        rejected_turns, rejected_reasoning, rejected_answer = _map_messages(row, col["rejected"])
+        if rejected_turns != messages:
+            raise BadRow("prompt_mismatch", f"'{col['chosen']}' and '{col['rejected']}' differ before the answer")
+        prompt = None
+    if not chosen_answer or not rejected_answer:
+        raise BadRow("empty_answer", f"the {'chosen' if not chosen_answer else 'rejected'} answer is empty")
+    if (chosen_reasoning, chosen_answer) == (rejected_reasoning, rejected_answer):
+        raise BadRow("same_answers", "the chosen and the rejected answer are the same")
+    return {"prompt": prompt, "messages": messages, "reasoning": chosen_reasoning, "answer": chosen_answer,
+            "rejected_reasoning": rejected_reasoning, "rejected_answer": rejected_answer}
 
 
 def _map_messages(row: dict, column: str) -> tuple[list[dict], str, str]:
@@ -413,7 +440,10 @@ def _map_messages(row: dict, column: str) -> tuple[list[dict], str, str]:
 
 
 def _record_id(record: dict) -> str:
-    key = json.dumps([record["prompt"], record["messages"], record["answer"]], sort_keys=True)
+    key = [record["prompt"], record["messages"], record["answer"]]
+    if "rejected_answer" in record:  # a pair is the same pair only with the same rejected answer
+        key += [record["reasoning"], record["rejected_reasoning"], record["rejected_answer"]]
+    key = json.dumps(key, sort_keys=True)
     return hashlib.sha1(key.encode()).hexdigest()[:16]
 
 
@@ -481,7 +511,8 @@ def ingest(params: IngestParams) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
         "train_rows": len(train),
         "eval_rows": len(evaluation),
     }
-    return _frame(train), _frame(evaluation), report
+    columns = RECORD_COLUMNS + (REJECTED_COLUMNS if params.sources[0].format == "preference" else [])
+    return _frame(train, columns), _frame(evaluation, columns), report
 
 
 def _no_rows(source: SourceParams, stats: dict) -> str:
@@ -501,8 +532,8 @@ def _apply_weight(records: list[dict], weight: float, rng: random.Random) -> lis
     return out
 
 
-def _frame(records: list[dict]) -> pd.DataFrame:
-    return pd.DataFrame(records, columns=RECORD_COLUMNS)
+def _frame(records: list[dict], columns: list[str]) -> pd.DataFrame:
+    return pd.DataFrame(records, columns=columns)
 
 
 def conversation(record: dict) -> list[dict]:

@@ -2,7 +2,9 @@
 
 from kedro.pipeline import Pipeline
 
-from tunix_pipeline.pipelines import base_model, evaluate, export, format, grpo, ingest, plan, sft, smoke, tokenize
+from tunix_pipeline.pipelines import (
+    base_model, evaluate, export, format, grpo, ingest, plan, preference, sft, smoke, tokenize,
+)
 
 
 def register_pipelines() -> dict[str, Pipeline]:
@@ -13,9 +15,15 @@ def register_pipelines() -> dict[str, Pipeline]:
         "tokenize": tokenize.create_pipeline(),
         "sft": sft.create_pipeline(),
         "evaluate": evaluate.create_pipeline(),
-        # GRPO and the evaluation after it; with `grpo.enabled: false` the SFT checkpoint passes through
+        # DPO / ORPO / SimPO and the evaluation after it; with `preference.enabled: false` SFT's checkpoint passes on
+        "preference": preference.create_pipeline(),
+        # GRPO from the policy before it (the preference stage's, or SFT's) and the evaluation after it; off: the
+        # policy passes through
         "grpo": grpo.create_pipeline(),
         "export": export.create_pipeline(),
     }
     dag = sum(stages.values(), Pipeline([]))
-    return {**stages, "plan": plan.create_pipeline(), "smoke": dag + smoke.create_pipeline(), "__default__": dag}
+    # `--pipelines=grpo` polishes the SFT checkpoint: the preference stage first (a pass-through when it is off),
+    # so GRPO always has the policy to start from; `--pipelines=preference` runs that stage alone
+    pipelines = {**stages, "grpo": stages["preference"] + stages["grpo"]}
+    return {**pipelines, "plan": plan.create_pipeline(), "smoke": dag + smoke.create_pipeline(), "__default__": dag}

@@ -29,7 +29,7 @@ from tunix_pipeline.paths import is_uri, storage_path
 
 
 LEDGER = "sessions.json"
-PATH_KEYS = ("checkpoint_dir", "grpo_checkpoint_dir", "base_model_dir")  # stored relative to the root when under it
+PATH_KEYS = ("checkpoint_dir", "preference_checkpoint_dir", "grpo_checkpoint_dir", "base_model_dir")  # stored relative to the root when under it
 WEEK_SECONDS = 7 * 24 * 3600
 
 
@@ -144,6 +144,9 @@ def apply_current_session(params: dict, runtime_params: dict | None = None) -> d
         },
         "grpo": {"checkpoint_dir": f"{params['grpo']['checkpoint_dir']}/{session.name}"},
     }
+    if "preference" in params:
+        overrides["preference"] = {"checkpoint_dir": f"{params['preference']['checkpoint_dir']}/{session.name}",
+                                   "time_budget_hours": session.hours}
     if parent and parent["base_model_dir"]:  # a model the pipeline built (tiny): the parent's, tokenizer and all
         overrides["model"] = {"source": parent["base_model_dir"]}
     current = CurrentSession(index=index, name=session.name, hours=session.hours, parent=parent, plan_done=plan_done)
@@ -154,16 +157,16 @@ def apply_current_session(params: dict, runtime_params: dict | None = None) -> d
 
 
 def _parent(plan: list[Session], index: int, ledger: Ledger) -> dict | None:
-    """The checkpoint the session starts from: the previous session's GRPO policy if it ran GRPO, else its SFT."""
+    """The checkpoint the session starts from: the previous session's last stage: GRPO, preference, or SFT."""
     if index == 0:
         return None
     name = plan[index - 1].name
     entry = ledger.finished(name)
-    grpo_dir = ledger.path_of(entry, "grpo_checkpoint_dir")
+    stage = next((s for s in ("grpo_", "preference_") if entry.get(f"{s}checkpoint_dir")), "")
     return {
         "session": name,
-        "checkpoint_dir": grpo_dir or ledger.path_of(entry, "checkpoint_dir"),
-        "step": entry.get("grpo_step") if grpo_dir else entry.get("step"),
+        "checkpoint_dir": ledger.path_of(entry, f"{stage}checkpoint_dir"),
+        "step": entry.get(f"{stage}step"),
         "run_id": entry.get("run_id"),
         "base_model_dir": ledger.path_of(entry, "base_model_dir"),
     }

@@ -110,8 +110,8 @@ class BatchFeed:
     SIGTERM or when the session budget leaves only the time to save.
     """
 
-    def __init__(self, rows: pd.DataFrame, batch_size: int, seed: int, local: slice | None = None):
-        self.arrays = token_arrays(rows)
+    def __init__(self, rows: pd.DataFrame, batch_size: int, seed: int, local: slice | None = None, arrays=None):
+        self.arrays = token_arrays(rows) if arrays is None else arrays  # arrays: other columns (preference pairs)
         self.n = len(rows)
         if self.n < batch_size:
             raise MeshError(
@@ -348,7 +348,7 @@ def _throughput_hooks(tokens_per_step: int, flops_per_step: float, peak_flops: f
                 if "bytes_in_use" in stats:
                     metrics["device_memory_gb"] = stats["bytes_in_use"] / 1e9
                 for name, value in metrics.items():
-                    trainer.metrics_logger.log("", name, value, "train", train_step)
+                    trainer.metrics_logger.log(trainer.metrics_prefix, name, value, "train", train_step)
             self.last = now
 
         def on_train_end(self, trainer): ...
@@ -447,11 +447,12 @@ class _jit_with_options:
 
 
 @functools.cache
-def _trainer_class():
+def trainer_class(base=None):
+    """`base` (Tunix's PeftTrainer or a subclass such as DPOTrainer) whose jitted steps get `step_compiler_options()`."""
     from tunix.sft import peft_trainer
 
-    class Trainer(peft_trainer.PeftTrainer):
-        """Tunix's PeftTrainer whose jitted steps get `step_compiler_options()`."""
+    class Trainer(base or peft_trainer.PeftTrainer):
+        """A Tunix trainer whose jitted steps get `step_compiler_options()`."""
 
         def jit_train_and_eval_step(self, skip_jit: bool = False, cache_nnx_graph: bool = False):
             building = not skip_jit and self._jitted_train_step_fn is None
@@ -474,11 +475,17 @@ def _trainer(model, sft: SftParams, mesh, options, ckpt_dir: epath.Path):
         data_sharding_axis=BATCH_AXES,
         pbar_description="sft",
     )
+    return restored_trainer(
+        lambda: trainer_class()(model, make_optimizer(sft), config, metrics_logger=metrics_logger.MetricsLogger(options)),
+        ckpt_dir,
+    )
+
+
+def restored_trainer(build, ckpt_dir: epath.Path):
+    """`build()`, a trainer that restores the latest good checkpoint of `ckpt_dir` (corrupt ones are set aside)."""
     while True:
         try:
-            return _trainer_class()(
-                model, make_optimizer(sft), config, metrics_logger=metrics_logger.MetricsLogger(options)
-            )
+            return build()
         except Exception as err:  # Orbax raises many types for unreadable files
             step = _latest_step(ckpt_dir)
             if step is None:
@@ -624,9 +631,10 @@ def _record_history_with_checkpoints(trainer, ckpt_dir: epath.Path, history: lis
 
 
 def _history_of(trainer, name: str) -> np.ndarray:
-    if not trainer.metrics_logger.metric_exists("", name, "train"):
+    prefix = trainer.metrics_prefix  # "" for SFT (train/loss), the stage's own for the others
+    if not trainer.metrics_logger.metric_exists(prefix, name, "train"):
         return np.array([])
-    return np.asarray(trainer.metrics_logger.get_metric_history("", name, "train"), dtype=np.float64).ravel()
+    return np.asarray(trainer.metrics_logger.get_metric_history(prefix, name, "train"), dtype=np.float64).ravel()
 
 
 def load_history(ckpt_dir: epath.Path, upto_step: int, name: str = HISTORY_FILE) -> list[dict]:

@@ -91,6 +91,7 @@ class Plan:
     advice: list[str]  # what would make the selected run fit
     xla: dict | None = None  # the XLA check, when run
     assumptions: dict = dataclasses.field(default_factory=dict)
+    preference: dict | None = None  # the preference stage, when it is on (planning.preference)
 
     def summary(self) -> dict:
         s = self.selected
@@ -140,6 +141,8 @@ class Plan:
         }
         if self.xla:
             out["xla_check"] = self.xla
+        if self.preference:
+            out["preference"] = {k: v for k, v in self.preference.items() if k != "params"}
         return out
 
 

@@ -77,6 +77,10 @@ def markdown(plan: Plan) -> str:
         lines += ["**It would fit with any of:**", ""] + [f"- {a}" for a in plan.advice] + [""]
     if plan.xla:
         lines += xla_section(plan.xla) + [""]
+    if plan.preference:
+        from tunix_pipeline.planning.preference import markdown_section
+
+        lines += markdown_section(plan) + [""]
     lines += [
         "## Every hardware profile",
         "",

@@ -64,28 +64,52 @@ def evaluate_after_grpo(
     params: EvaluateParams,
     runtime: RuntimeParams,
 ):
-    """The GRPO policy beside the SFT checkpoint it started from, to see what GRPO gained or lost.
+    """The GRPO policy beside the checkpoint it started from (SFT's, or the preference stage's).
 
     Both are measured here (one compiled sampler serves both), so the `grpo` pipeline runs
-    from an SFT checkpoint alone; the base model is in the first evaluation's report.
+    from a checkpoint alone; the base model is in the first evaluation's report.
     """
     curve = evaluation.training_curves(sft_result.get("loss_history"), grpo_result.get("history"))
     evaluation.log_figure(curve, "grpo_curves.png")
+    return (*_after_stage("grpo", "GRPO", eval_tokens, eval_formatted, base_model, sft_result, grpo_result, model,
+                          params, runtime), curve)
+
+
+def evaluate_after_preference(
+    eval_tokens: pd.DataFrame,
+    eval_formatted: pd.DataFrame,
+    base_model: dict,
+    sft_result: dict,
+    preference_result: dict,
+    model: ModelParams,
+    params: EvaluateParams,
+    runtime: RuntimeParams,
+):
+    """The DPO / ORPO / SimPO policy beside the SFT checkpoint it started from, as after GRPO."""
+    method = preference_result.get("method", "preference")
+    curve = evaluation.training_curves(sft_result.get("loss_history"), None, preference_result.get("history"), method)
+    evaluation.log_figure(curve, "preference_curves.png")
+    return (*_after_stage("preference", method.upper(), eval_tokens, eval_formatted, base_model, sft_result,
+                          preference_result, model, params, runtime), curve)
+
+
+def _after_stage(stage, title, eval_tokens, eval_formatted, base_model, sft_result, result, model, params, runtime):
+    """(metrics, samples, report) of the stage's policy against the checkpoint it started from."""
     empty = pd.DataFrame(columns=evaluation.SAMPLE_COLUMNS)
-    if not grpo_result.get("enabled"):
-        return {"grpo_enabled": False}, empty, evaluation.empty_report("GRPO is off (`grpo.enabled: false`)"), curve
+    if not result.get("enabled"):
+        return {f"{stage}_enabled": False}, empty, evaluation.empty_report(f"{title} is off (`{stage}.enabled: false`)")
     if _empty_split(eval_tokens, eval_formatted):
         reason = "the eval split is empty (set `ingest.eval_fraction` above 0)"
-        return {"empty_eval_split": True}, empty, evaluation.empty_report(reason), curve
+        return {"empty_eval_split": True}, empty, evaluation.empty_report(reason)
     network, evaluator = _evaluator(eval_tokens, eval_formatted, base_model, sft_result, model, params, runtime)
     results, samples = {}, []
-    for label, stage, checkpoint_dir in (
-        ("tuned", "sft", grpo_result["sft_checkpoint_dir"]),
-        ("grpo", "grpo", grpo_result["checkpoint_dir"]),
-    ):
-        step = restore_required(network, checkpoint_dir, stage, "evaluate")
+    for label, checkpoint_dir in (("tuned", result["sft_checkpoint_dir"]), (stage, result["checkpoint_dir"])):
+        step = restore_required(network, checkpoint_dir, "sft" if label == "tuned" else stage, "evaluate")
         results[label], rows = evaluator.measure(label)
         results[label]["checkpoint_step"] = step
         samples.append(rows)
-    report = "# Evaluation after GRPO\n\n" + evaluation.markdown_table(results, delta=("tuned", "grpo"))
-    return results, pd.concat(samples, ignore_index=True), report, curve
+    if "heldout_pair_accuracy" in result:
+        results[stage]["heldout_pair_accuracy"] = result["heldout_pair_accuracy"]
+        results["tuned"]["heldout_pair_accuracy"] = result["heldout_pair_accuracy_before"]
+    report = f"# Evaluation after {title}\n\n" + evaluation.markdown_table(results, delta=("tuned", stage))
+    return results, pd.concat(samples, ignore_index=True), report

@@ -10,35 +10,42 @@ from tunix_pipeline.training import make_mesh, restore_required
 log = logging.getLogger(__name__)
 
 
-def final_checkpoint(sft_result: dict, grpo_result: dict) -> tuple[str, str]:
-    """(stage, checkpoint dir) of the policy to ship: GRPO's when it ran from the current SFT checkpoint, else SFT's."""
-    if grpo_result.get("enabled"):
-        if (grpo_result.get("sft_checkpoint_dir"), grpo_result.get("sft_step")) == (
-            sft_result["checkpoint_dir"], sft_result["latest_step"]
-        ):
-            return "grpo", grpo_result["checkpoint_dir"]
+STAGE_NAMES = {"sft": "SFT", "preference": "preference", "grpo": "GRPO"}
+
+
+def final_checkpoint(sft_result: dict, grpo_result: dict, preference_result: dict | None = None) -> tuple[str, str]:
+    """(stage, checkpoint dir) of the policy to ship: the last stage of SFT -> preference -> GRPO that ran from the
+    current checkpoint of the stage before it (a stage left over from an earlier SFT run is not shipped)."""
+    stage, current = "sft", (sft_result["checkpoint_dir"], sft_result["latest_step"])
+    for name, result in (("preference", preference_result or {}), ("grpo", grpo_result)):
+        start = (result.get("sft_checkpoint_dir"), result.get("sft_step"))
+        if not result.get("enabled"):
+            continue
+        if start == current:
+            stage, current = name, (result["checkpoint_dir"], result.get("latest_step"))
+            continue
         log.warning(
-            "export: grpo_result is from SFT step %s in %s, not the current %s in %s; exporting the SFT checkpoint "
-            "(run the `grpo` pipeline first to export its policy)",
-            grpo_result.get("sft_step"), grpo_result.get("sft_checkpoint_dir"),
-            sft_result["latest_step"], sft_result["checkpoint_dir"],
+            "export: %s_result is from %s step %s in %s, not the current %s in %s; exporting the %s checkpoint "
+            "(run the `%s` pipeline first to export its policy)", name, STAGE_NAMES[stage], start[1], start[0],
+            current[1], current[0], STAGE_NAMES[stage], name,
         )
-    return "sft", sft_result["checkpoint_dir"]
+    return stage, current[0]
 
 
 def export_model(
     base_model: dict,
     sft_result: dict,
+    preference_result: dict,
     grpo_result: dict,
     model: ModelParams,
     params: ExportParams,
     runtime: RuntimeParams,
     format_params: FormatParams,
 ) -> dict:
-    """The latest checkpoint (GRPO's when it ran, else SFT's), LoRA merged, as a Hugging Face folder; with
+    """The latest checkpoint (GRPO's or the preference stage's when they ran, else SFT's), LoRA merged, as a Hugging Face folder; with
     `formats: [hf, gguf]` also as GGUF files and an Ollama Modelfile (with the chat template it was tuned with)."""
     network, _ = load_run_model(base_model["path"], model, make_mesh(runtime), quantize=False)
-    stage, checkpoint_dir = final_checkpoint(sft_result, grpo_result)
+    stage, checkpoint_dir = final_checkpoint(sft_result, grpo_result, preference_result)
     step = restore_required(network, checkpoint_dir, stage, "export")
     tokenizer = load_tokenizer(base_model["path"])
     gguf = "gguf" in params.formats

@@ -9,7 +9,7 @@ def create_pipeline(**kwargs) -> Pipeline:
             Node(
                 export_model,
                 inputs=[
-                    "base_model", "sft_result", "grpo_result",
+                    "base_model", "sft_result", "preference_result", "grpo_result",
                     "params:model", "params:export", "params:runtime", "params:format",
                 ],
                 outputs="exported_model",

@@ -17,10 +17,11 @@ def run_grpo(
     runtime: RuntimeParams,
     tracking: TrackingParams,
 ) -> dict:
-    """GRPO from the latest SFT checkpoint; with `grpo.enabled: false` the SFT checkpoint passes through.
+    """GRPO from the policy before it; with `grpo.enabled: false` that policy passes through.
 
-    Either way `checkpoint_dir` is the policy the later stages use, and `sft_step`
-    records which SFT checkpoint it comes from.
+    `sft_result` is the `preference_result`: the preference stage's policy, or SFT's passed through it.
+    Either way `checkpoint_dir` is the policy the later stages use, and `sft_checkpoint_dir` / `sft_step`
+    record which checkpoint it started from.
     """
     sft = {"sft_checkpoint_dir": sft_result["checkpoint_dir"], "sft_step": sft_result["latest_step"]}
     if not grpo.enabled:

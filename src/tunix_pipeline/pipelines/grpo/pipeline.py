@@ -11,7 +11,7 @@ def create_pipeline(**kwargs) -> Pipeline:
             Node(
                 run_grpo,
                 inputs=[
-                    "train_formatted", "base_model", "sft_result", "params:model", "params:grpo", "params:runtime",
+                    "train_formatted", "base_model", "preference_result", "params:model", "params:grpo", "params:runtime",
                     "params:tracking",
                 ],
                 outputs="grpo_result",

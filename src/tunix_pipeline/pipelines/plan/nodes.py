@@ -2,22 +2,47 @@ import logging
 
 import pandas as pd
 
-from tunix_pipeline.config import ModelParams, PlanParams, RuntimeParams, SftParams, TokenizeParams
+from tunix_pipeline.config import (
+    ModelParams, PlanParams, PreferenceParams, RuntimeParams, SftParams, TokenizeParams,
+)
 from tunix_pipeline.planning import DoesNotFit, build_plan, check_against_xla, markdown, refusal
+from tunix_pipeline.planning.preference import add_preference
+from tunix_pipeline.planning.preference import check_against_xla as check_preference_against_xla
 
 log = logging.getLogger(__name__)
 
 
 def plan_training(
-    model: ModelParams, sft: SftParams, runtime: RuntimeParams, tokenize: TokenizeParams, plan: PlanParams
+    model: ModelParams, sft: SftParams, runtime: RuntimeParams, tokenize: TokenizeParams, plan: PlanParams,
+    preference: PreferenceParams, sessions: dict,
 ) -> tuple[dict, str]:
-    """The plan for every hardware profile, checked against XLA; printed, and returned as JSON and Markdown."""
-    result = build_plan(model, sft, runtime, tokenize, plan)
+    """The plan for every hardware profile (SFT, and the preference stage when this run or a later session of
+    `sessions.plan` turns it on), checked against XLA; printed, and returned as JSON and Markdown."""
+    result = add_preference(build_plan(model, sft, runtime, tokenize, plan), _planned_preference(preference, sessions),
+                            plan)
     if plan.xla_check.enabled:
         result.xla = check_against_xla(result, model, plan.xla_check.max_layers, plan.xla_check.timeout_seconds)
+        if result.preference:
+            result.preference["xla_check"] = check_preference_against_xla(
+                result, model, plan.xla_check.max_layers, plan.xla_check.timeout_seconds
+            )
     text = markdown(result)
     print(text)  # noqa: T201 - the table is this pipeline's output
     return result.summary(), text
+
+
+def _planned_preference(preference: PreferenceParams, sessions: dict) -> PreferenceParams:
+    """The preference stage as this run has it, or as the first session of the plan that turns it on."""
+    from omegaconf import OmegaConf
+
+    if preference.enabled:
+        return preference
+    for session in (sessions or {}).get("plan") or []:
+        changes = (session.get("params") or {}).get("preference") or {}
+        if changes.get("enabled"):
+            merged = OmegaConf.to_container(OmegaConf.merge(preference.model_dump(), changes))
+            return PreferenceParams.model_validate({**merged, "time_budget_hours": session["hours"]})
+    return preference
 
 
 def check_sft_fits(

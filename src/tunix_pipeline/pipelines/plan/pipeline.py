@@ -8,7 +8,8 @@ def create_pipeline(**kwargs) -> Pipeline:
         [
             Node(
                 plan_training,
-                inputs=["params:model", "params:sft", "params:runtime", "params:tokenize", "params:plan"],
+                inputs=["params:model", "params:sft", "params:runtime", "params:tokenize", "params:plan", "params:preference",
+                        "params:sessions"],
                 outputs=["plan_summary", "plan_report"],
                 name="plan_training",
             )

@@ -4,7 +4,8 @@ MAX_LOSS_RATIO = 0.6
 
 
 def check_smoke(
-    sft_result: dict, eval_metrics: dict, grpo_result: dict, grpo_eval_metrics: dict, exported_model: dict
+    sft_result: dict, eval_metrics: dict, preference_result: dict, preference_eval_metrics: dict, grpo_result: dict,
+    grpo_eval_metrics: dict, exported_model: dict
 ) -> dict:
     """The smoke run's pass criteria; raises (failing the run) when one is missed."""
     first, last = sft_result["first_loss"], sft_result["last_loss"]
@@ -15,6 +16,15 @@ def check_smoke(
         "tuned_model_evaluated": "eval_loss" in eval_metrics.get("tuned", {}),
         "exported": (storage_path(exported_model["path"]) / "config.json").is_file(),
     }
+    preference_ran = bool(preference_result.get("enabled"))
+    if preference_ran:  # a few preference steps: its curves, a checkpoint, held-out pairs scored, the policy evaluated
+        history = preference_result.get("history") or []
+        checks["preference_checkpoint_written"] = (
+            storage_path(preference_result["checkpoint_dir"]) / str(preference_result["latest_step"])
+        ).is_dir()
+        checks["preference_curves_logged"] = bool(history) and all(h.get("rewards/margin") is not None for h in history)
+        checks["preference_pairs_scored"] = preference_result.get("heldout_pair_accuracy") is not None
+        checks["preference_model_evaluated"] = "eval_loss" in preference_eval_metrics.get("preference", {})
     grpo_ran = bool(grpo_result.get("enabled"))
     if grpo_ran:  # a few GRPO steps: rewards and KL logged, a checkpoint, and the policy evaluated
         history = grpo_result.get("history") or []
@@ -29,6 +39,9 @@ def check_smoke(
         "last_loss": last,
         "loss_ratio": last / first if first else None,
         "checkpoint": str(checkpoint),
+        "preference_ran": preference_ran,
+        "preference_heldout_pair_accuracy": [preference_result.get("heldout_pair_accuracy_before"),
+                                             preference_result.get("heldout_pair_accuracy")],
         "grpo_ran": grpo_ran,
         "grpo_first_reward": grpo_result.get("first_reward"),
         "grpo_last_reward": grpo_result.get("last_reward"),

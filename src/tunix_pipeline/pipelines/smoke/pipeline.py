@@ -9,7 +9,10 @@ def create_pipeline(**kwargs) -> Pipeline:
         [
             Node(
                 check_smoke,
-                inputs=["sft_result", "eval_metrics", "grpo_result", "grpo_eval_metrics", "exported_model"],
+                inputs=[
+                    "sft_result", "eval_metrics", "preference_result", "preference_eval_metrics", "grpo_result",
+                    "grpo_eval_metrics", "exported_model",
+                ],
                 outputs="smoke_report",
                 name="check_smoke",
             )

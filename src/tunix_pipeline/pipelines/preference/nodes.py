@@ -1,0 +1,103 @@
+import logging
+
+import jax
+import mlflow
+import pandas as pd
+
+from tunix_pipeline import preference as pref
+from tunix_pipeline.config import FormatParams, GrpoParams, ModelParams, PreferenceParams, RuntimeParams, TrackingParams
+from tunix_pipeline.formatting import format_records
+from tunix_pipeline.ingest import ingest
+from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
+from tunix_pipeline.rewards import RewardSet
+from tunix_pipeline.tracking import metrics_backends
+from tunix_pipeline.training import make_mesh, restore_required
+
+log = logging.getLogger(__name__)
+
+
+def _passed_through(sft_result: dict) -> dict:
+    """The SFT checkpoint as the policy of the later stages, when there is no preference stage."""
+    return {"enabled": False, "checkpoint_dir": sft_result["checkpoint_dir"], "latest_step": sft_result["latest_step"],
+            "sft_checkpoint_dir": sft_result["checkpoint_dir"], "sft_step": sft_result["latest_step"]}
+
+
+def build_pairs(
+    train_formatted: pd.DataFrame,
+    eval_formatted: pd.DataFrame,
+    base_model: dict,
+    sft_result: dict,
+    model: ModelParams,
+    params: PreferenceParams,
+    grpo: GrpoParams,
+    format_params: FormatParams,
+    runtime: RuntimeParams,
+) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+    """(train pairs, held-out pairs, report): from `preference.data` (ingested and formatted as SFT's data is),
+    or sampled from the SFT model and scored with the rewards (`from_rewards`; eval pairs from the eval prompts)."""
+    empty = pd.DataFrame(columns=pref.REWARD_PAIR_COLUMNS)
+    if not params.enabled:
+        return empty, empty, {"enabled": False}
+    tokenizer = load_tokenizer(base_model["path"])
+    if params.pairs == "from_data":
+        train, evaluation, quality = ingest(params.data)
+        return (format_records(train, tokenizer, format_params), format_records(evaluation, tokenizer, format_params),
+                {"enabled": True, "pairs": "from_data", "data_quality": quality})
+    spec = params.from_rewards
+    rewards = RewardSet(spec.rewards or grpo.rewards)  # a bad reward fails before the model loads
+    mesh = make_mesh(runtime)
+    network, _ = load_run_model(base_model["path"], model, mesh, quantize=False)
+    step = restore_required(network, sft_result["checkpoint_dir"], "sft", "preference")
+    train, train_counts = pref.pairs_from_rewards(network, tokenizer, train_formatted, params, rewards, mesh,
+                                                  spec.max_prompts)
+    held_out, eval_counts = pref.pairs_from_rewards(network, tokenizer, eval_formatted, params, rewards, mesh,
+                                                    spec.eval_prompts)
+    report = {"enabled": True, "pairs": "from_rewards", "sft_checkpoint_dir": sft_result["checkpoint_dir"],
+              "sft_step": step, "rewards": dict(rewards.weights), "margin": spec.margin,
+              "train": train_counts, "eval": eval_counts}
+    log.info("preference pairs from rewards: %d train pairs of %d prompts, %d held-out",
+             len(train), train_counts["prompts"], len(held_out))
+    return train, held_out, report
+
+
+def run_preference(
+    train_pairs: pd.DataFrame,
+    eval_pairs: pd.DataFrame,
+    base_model: dict,
+    sft_result: dict,
+    model: ModelParams,
+    params: PreferenceParams,
+    runtime: RuntimeParams,
+    tracking: TrackingParams,
+) -> dict:
+    """DPO / ORPO / SimPO from the latest SFT checkpoint; off (`preference.enabled: false`): SFT's passes through.
+
+    Either way `checkpoint_dir` is the policy the later stages (GRPO, export) start from.
+    """
+    if not params.enabled:
+        return _passed_through(sft_result)
+    tokenizer = load_tokenizer(base_model["path"])
+    train_tokens, train_stats = pref.tokenize_pairs(train_pairs, tokenizer, params)
+    eval_tokens, eval_stats = pref.tokenize_pairs(eval_pairs, tokenizer, params)
+    mesh = make_mesh(runtime)
+    pref.check_enough_pairs(len(train_tokens), params, mesh, train_stats["dropped"])  # before any weights load
+    network, _ = load_run_model(base_model["path"], model, mesh)
+    step = restore_required(network, sft_result["checkpoint_dir"], "sft", "preference")
+    backends = metrics_backends(tracking, runtime.output_root, "preference")
+    result = pref.train_preference(network, train_tokens, eval_tokens, params, mesh, backends,
+                                   runtime.peak_flops_per_device)
+    if mlflow.active_run() is not None and jax.process_index() == 0:  # held-out pair accuracy: SFT's, then the policy's
+        client, run_id = mlflow.MlflowClient(), mlflow.active_run().info.run_id
+        for at, key in ((0, "heldout_pair_accuracy_before"), (result["latest_step"], "heldout_pair_accuracy")):
+            if result[key] is not None:
+                client.log_metric(run_id, f"{pref.METRICS_PREFIX}/eval/pair_accuracy", result[key], step=at)
+    return {
+        **result,
+        "sft_checkpoint_dir": sft_result["checkpoint_dir"],
+        "sft_step": step,
+        "tokenize": {"train": train_stats, "eval": eval_stats},
+        **parameter_counts(network),
+        "lora": model.lora is not None,
+        "mesh": dict(mesh.shape),
+        "processes": jax.process_count(),
+    }
