@@ -126,6 +126,28 @@ def test_greedy_generations_match_lm_eval_hf_backend(setup):
     assert len(set(mine)) > 1, "every prompt got the same text: the comparison says little"
 
 
+def test_tagged_answer_prompts_generate_what_our_evaluation_generates(setup, tmp_path):
+    """The task's rows (BOS text dropped, the tokenizer adding the token) give the model the very prompts
+    our own evaluation gives it: the same greedy texts, up to the special tokens `hf` decodes away."""
+    from tunix_pipeline.config import EvaluateParams
+    from tunix_pipeline.evaluation import Generator, select_prompts
+
+    ours, _, formatted = setup
+    steps = 8  # the prompts are 38-40 tokens: with 8 new ones they fit MAX_LENGTH uncut
+    params = EvaluateParams(num_prompts=8, max_new_tokens=steps, batch_size=4)
+    held_out, _, prompt_length = select_prompts(formatted, ours.tokenizer, params)
+    expected, _ = Generator(ours.model, ours.tokenizer, params, prompt_length)(held_out["prompt"].tolist())
+    rows = [json.loads(line) for line in harness.write_rows(held_out, ours.tokenizer, tmp_path / "rows.jsonl").open()]
+    gen = {"until": ["<end_of_turn>"], "do_sample": False, "max_gen_toks": steps}
+    got = ours.generate_until(_requests("generate_until", [(r["prompt"], gen) for r in rows]))
+    assert max(len(ours.tok_encode(r["prompt"])) for r in rows) + steps <= MAX_LENGTH
+    special = ours.tokenizer.all_special_tokens
+    for text in expected:
+        for token in special:
+            text = text.replace(token, "")
+        assert text == got.pop(0)
+
+
 def test_tagged_answer_task_reads_the_answer_from_tags(tmp_path):
     """The shipped task scores exactly what is inside <answer>…</answer>, as our own `answer_exact`."""
     import lm_eval
@@ -163,3 +185,39 @@ def test_tagged_answer_task_reads_the_answer_from_tags(tmp_path):
 def test_missing_task_file_is_refused_before_any_model_loads():
     with pytest.raises(harness.HarnessError, match="no task file nowhere/task.yaml"):
         harness.check(HarnessParams(enabled=True, tasks=["nowhere/task.yaml"]))
+
+
+@pytest.mark.slow
+def test_evaluate_pipeline_runs_the_harness_on_base_and_tuned(project):
+    """`evaluate.harness.enabled` in a project copy: lm-eval's scores beside ours in the report, the metrics
+    and MLflow, with what makes them comparable, and the limit called out."""
+    import lm_eval
+    import mlflow
+    from kedro.framework.session import KedroSession
+    from kedro.framework.startup import bootstrap_project
+
+    bootstrap_project(project)
+    params = {
+        "sft": {"max_steps": 2, "warmup_steps": 0, "checkpoint_every": 2}, "plan": {"enabled": False},
+        "evaluate": {"num_prompts": 2, "max_new_tokens": 8, "batch_size": 2,
+                     "harness": {"enabled": True, "limit": 2, "max_gen_toks": 8, "batch_size": 2}},
+    }
+    with KedroSession.create(project_path=project, runtime_params=params) as session:
+        session.run(pipeline_names=["ingest", "base_model", "format", "tokenize", "sft", "evaluate"])
+    reporting = project / "data" / "08_reporting"
+    metrics = json.loads((reporting / "eval_metrics.json").read_text())
+    for label in ("base", "tuned"):
+        assert 0 <= metrics["harness"][label]["tagged_answer"]["exact_match,tagged"] <= 1
+    settings = metrics["harness"]["lm_eval"]
+    assert settings["lm_eval_version"] == lm_eval.__version__ and settings["task_versions"] == {"tagged_answer": "1.0"}
+    assert settings["limit"] == 2 and not settings["full_task"] and settings["documents"] == {"tagged_answer": 2}
+    assert settings["bos"].startswith("prepended")
+    report = (reporting / "eval_report.md").read_text()
+    assert "## lm-evaluation-harness" in report and "limit 2 documents per task: NOT a full-task score" in report
+    assert "| tagged_answer exact_match,tagged |" in report
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'data' / 'mlflow.db'}")
+    run = client.search_runs([client.get_experiment_by_name("tunix_pipeline").experiment_id])[0]
+    assert run.data.params["eval_metrics.harness.lm_eval.lm_eval_version"] == lm_eval.__version__
+    assert run.data.params["eval_metrics.harness.lm_eval.limit"] == "2"
+    assert "eval_metrics.harness.tuned.tagged_answer.exact_match_tagged" in run.data.metrics

@@ -17,6 +17,7 @@ go with the scores into the report and MLflow. `pip install -e ".[lm-eval]"`.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import tempfile
@@ -98,7 +99,7 @@ def task_specs(tasks: list[str], rows: Path | None) -> tuple[list, list[str]]:
 
 # ---------------------------------------------------------------- the backend
 def _lm_class():
-    lm_eval = _lm_eval()
+    _lm_eval()
     from lm_eval.api.model import TemplateLM
     from lm_eval.models import utils as lm_utils
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
@@ -116,7 +117,6 @@ def _lm_class():
             self.batch_size, self._max_length, self.seed = batch_size, max_length, seed
             self.max_gen_toks = 256  # lm-eval's HF default, when a task names none
             self._samplers: dict[int, object] = {}
-            self.version = lm_eval.__version__
 
         # -- what TemplateLM needs to tokenize like `hf`
         @property
@@ -144,11 +144,6 @@ def _lm_class():
 
         def tok_decode(self, tokens) -> str:
             return self.tokenizer.decode(tokens, skip_special_tokens=True)
-
-        def adds_bos(self) -> bool:
-            """Whether prompts start with BOS: the tokenizer's default, as `hf` leaves it."""
-            bos = self.tokenizer.bos_token_id
-            return bos is not None and self.tok_encode("1")[:1] == [bos]
 
         def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
             return self.tokenizer.apply_chat_template(
@@ -185,7 +180,7 @@ def _lm_class():
                 tokens[j, : len(s) - 1], targets[j, : len(s) - 1], mask[j, : len(s) - 1] = s[:-1], s[1:], 1
             mask[len(sequences):, 0] = 1  # filler rows: one token, so no row is all padding
             with self.mesh:
-                logprobs, greedy = _token_logprobs(self.model, tokens, mask, targets)
+                logprobs, greedy = _logprobs_fn()(self.model, tokens, mask, targets)
             return np.asarray(logprobs), np.asarray(greedy)
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -219,6 +214,9 @@ def _lm_class():
                     float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0,
                     kwargs.get("top_p"), kwargs.get("top_k"),
                 )
+                if max_new >= self.max_length:
+                    raise HarnessError(f"max_gen_toks {max_new} leaves no room for a prompt in max_length "
+                                       f"{self.max_length}; lower evaluate.harness.max_gen_toks or raise max_length")
                 # as `hf`: the context keeps its last max_length - max_new tokens
                 prompts = {i: self.tok_encode(requests[i].args[0])[-(self.max_length - max_new):] for i in indices}
                 order = sorted(indices, key=lambda i: -len(prompts[i]))
@@ -253,31 +251,23 @@ def _lm_class():
     return JaxLM
 
 
-def _token_logprobs(model, tokens, mask, targets):
-    return _jitted_logprobs()(model, tokens, mask, targets)
-
-
-_JITTED = {}
-
-
-def _jitted_logprobs():
+@functools.cache
+def _logprobs_fn():
     """log p(target) and argmax == target at each position: the (B, L, V) log-softmax never leaves the device."""
-    if "fn" not in _JITTED:
-        import jax
-        import jax.numpy as jnp
-        from flax import nnx
-        from tunix.sft import utils as sft_utils
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from tunix.sft import utils as sft_utils
 
-        @nnx.jit
-        def fn(model, tokens, mask, targets):
-            mask = mask.astype(bool)
-            logits, _ = model(tokens, sft_utils.build_positions_from_mask(mask), None, sft_utils.make_causal_attn_mask(mask))
-            logits = logits.astype(jnp.float32)
-            picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-            return picked - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1) == targets
+    @nnx.jit
+    def logprobs(model, tokens, mask, targets):
+        mask = mask.astype(bool)
+        logits, _ = model(tokens, sft_utils.build_positions_from_mask(mask), None, sft_utils.make_causal_attn_mask(mask))
+        logits = logits.astype(jnp.float32)
+        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        return picked - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1) == targets
 
-        _JITTED["fn"] = fn
-    return _JITTED["fn"]
+    return logprobs
 
 
 def make_lm(model, tokenizer, mesh, params: HarnessParams, model_dir: str | Path):
@@ -311,10 +301,9 @@ def model_max_length(model_dir: str | Path, params: HarnessParams) -> int:
 def evaluate(lm, params: HarnessParams, rows: Path | None) -> dict:
     """lm-eval's `simple_evaluate` on `lm`: {"scores": {task: {metric: value}}, "settings": ...}."""
     from lm_eval import evaluator
-    from lm_eval.tasks import TaskManager
 
     specs, include = task_specs(params.tasks, rows)
-    manager = TaskManager(include_path=include or None)
+    manager = _task_manager(tuple(include), builtin=any(isinstance(spec, str) for spec in specs))
     result = evaluator.simple_evaluate(
         model=lm, tasks=specs, num_fewshot=params.num_fewshot, limit=params.limit,
         apply_chat_template=params.apply_chat_template, gen_kwargs=_gen_kwargs(params), task_manager=manager,
@@ -328,22 +317,38 @@ def evaluate(lm, params: HarnessParams, rows: Path | None) -> dict:
     return {"scores": scores, "settings": settings(result, params, lm)}
 
 
+@functools.cache
+def _task_manager(include: tuple[str, ...], builtin: bool):
+    """lm-eval's task index: its built-in tasks only when a task is named (indexing them takes seconds)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=list(include) or None, include_defaults=builtin)
+
+
 def _gen_kwargs(params: HarnessParams) -> dict | None:
     return {"max_gen_toks": params.max_gen_toks} if params.max_gen_toks else None
 
 
+def prepends_bos(lm) -> bool:
+    """Whether `lm` starts a prompt with BOS (ours and `hf` both: when the tokenizer's default does)."""
+    bos = lm.tokenizer.bos_token_id
+    return bos is not None and lm.tok_encode("1")[:1] == [bos]
+
+
 def settings(result: dict, params: HarnessParams, lm) -> dict:
     """What a reader needs to compare these scores with others."""
+    import lm_eval
+
     samples = {task: v.get("effective") for task, v in result.get("n-samples", {}).items()}
     return {
-        "lm_eval_version": lm.version,
+        "lm_eval_version": lm_eval.__version__,
         "task_versions": {task: str(v) for task, v in result.get("versions", {}).items()},
         "num_fewshot": dict(result.get("n-shot", {})),
         "apply_chat_template": params.apply_chat_template,
         "limit": params.limit,
         "full_task": params.limit is None,
         "documents": samples,
-        "bos": "prepended (tokenizer default, as lm-eval's hf backend)" if lm.adds_bos() else "none (tokenizer default, as lm-eval's hf backend)",
+        "bos": ("prepended" if prepends_bos(lm) else "none") + " (the tokenizer's default, as lm-eval's hf backend)",
         "max_length": lm.max_length,
         "max_gen_toks": params.max_gen_toks,
     }
