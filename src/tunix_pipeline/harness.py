@@ -28,7 +28,7 @@ import pandas as pd
 
 from tunix_pipeline.config import HarnessParams
 from tunix_pipeline.errors import UserError
-from tunix_pipeline.evaluation import make_sampler, next_power_of_two, sampling_args
+from tunix_pipeline.evaluation import make_sampler, markdown_table, next_power_of_two, sampling_args
 
 log = logging.getLogger(__name__)
 
@@ -373,14 +373,13 @@ class Harness:
 
 def report(results: dict[str, dict], delta: tuple[str, str] | None = None) -> str:
     """The lm-eval scores of several models as a Markdown section, with the settings that make them comparable."""
-    from tunix_pipeline.evaluation import markdown_table
-
     models = list(results)
     first = results[models[0]]["settings"]
     table = {m: {f"{task} {metric}": v for task, metrics in results[m]["scores"].items()
                  for metric, v in metrics.items() if "_stderr" not in metric} for m in models}
     limit = first["limit"]
-    scope = "full tasks" if limit is None else f"limit {limit} documents per task: NOT a full-task score"
+    share = f"{limit} documents" if limit is None or limit >= 1 else f"{limit:.0%} of the documents"
+    scope = "full tasks" if limit is None else f"limit {share} per task: NOT a full-task score"
     lines = [
         "## lm-evaluation-harness",
         "",
