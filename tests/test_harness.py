@@ -166,9 +166,12 @@ def test_tagged_answer_task_reads_the_answer_from_tags(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
+    contexts = []
+
     class Answers(LM):  # lm-eval's interface answering from the table above: the task is what is tested
         def generate_until(self, requests):
-            return [answers[r.args[0]] for r in requests]
+            contexts.extend(r.args[0] for r in requests)
+            return [answers[r.args[0][-2:]] for r in requests]  # the document's prompt ends the context
 
         def loglikelihood(self, requests):
             raise NotImplementedError
@@ -180,6 +183,15 @@ def test_tagged_answer_task_reads_the_answer_from_tags(tmp_path):
     result = lm_eval.simple_evaluate(model=Answers(), tasks=specs, log_samples=False, torch_random_seed=None)
     assert result["results"]["tagged_answer"]["exact_match,tagged"] == pytest.approx(0.5)
     assert result["versions"]["tagged_answer"] == 1.0
+
+    # few-shot examples are whole tagged completions of the other rows, never the document's own
+    contexts.clear()
+    lm_eval.simple_evaluate(model=Answers(), tasks=specs, num_fewshot=2, log_samples=False, torch_random_seed=None)
+    by_prompt = {r["prompt"]: r for r in rows}
+    for context in contexts:
+        own = by_prompt[context[-2:]]
+        shots = [r for r in rows if r is not own and r["prompt"] + r["completion"] in context]
+        assert len(shots) == 2 and own["completion"] not in context
 
 
 def test_missing_task_file_is_refused_before_any_model_loads():
