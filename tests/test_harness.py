@@ -28,6 +28,8 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from tunix_pipeline import harness  # noqa: E402
 from tunix_pipeline.config import FormatParams, HarnessParams, IngestParams, RuntimeParams, SourceParams  # noqa: E402
 
+from .conftest import ROOT  # noqa: E402
+
 MAX_LENGTH = 48  # short enough that long requests are cut on the left and rolling windows split
 
 

@@ -87,7 +87,8 @@ def task_specs(tasks: list[str], rows: Path | None) -> tuple[list, list[str]]:
             if rows is None:
                 raise HarnessError(f"evaluate.harness: the {TAGGED_TASK} task needs eval rows (ingest.eval_fraction > 0)")
             config = yaml.safe_load((TASKS_DIR / f"{TAGGED_TASK}.yaml").read_text())
-            config["dataset_kwargs"] = {"data_files": {"test": str(rows)}}
+            # the rows' Arrow cache beside them (a temporary folder), not in ~/.cache
+            config["dataset_kwargs"] = {"data_files": {"test": str(rows)}, "cache_dir": str(rows.parent / "datasets")}
             specs.append(config)
         elif task.endswith((".yaml", ".yml")):
             include.append(str(Path(task).resolve().parent))
