@@ -85,3 +85,13 @@ def test_the_trainer_builds_its_steps_with_the_cpu_compile_options():
     if info is not None:  # a private detail of jax.jit: checked where it exists
         assert dict(info.compiler_options_kvs) == options
     assert int(step(jax.numpy.ones(()))) == 2
+
+
+def test_harness_benchmark_times_ours_and_lm_evals_hf_backend_on_the_same_task():
+    pytest.importorskip("lm_eval")
+    from benchmarks import harness_throughput
+
+    result = harness_throughput.main(["--size", "tiny", "--limit", "2", "--batch", "2", "--max-gen-toks", "4"])
+    for work in ("generate_until", "loglikelihood"):
+        assert result[work]["items"] == 2 and result[work]["ours_per_s"] > 0 and result[work]["hf_per_s"] > 0
+    assert result["loglikelihood"]["max_abs_difference"] < 1e-4  # the same weights: see tests/test_harness.py

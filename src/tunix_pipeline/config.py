@@ -224,6 +224,29 @@ class SftParams(Strict):
         return self.model_copy(update={"max_steps": steps})
 
 
+class HarnessParams(Strict):
+    """lm-evaluation-harness tasks on the base and the tuned model (`pip install -e ".[lm-eval]"`)."""
+
+    enabled: bool = False
+    # lm-eval task names (gsm8k, mmlu, ...; their data comes from the hub), paths to task YAML files, or
+    # tagged_answer: the project's eval rows, the answer read from <answer>…</answer> (harness_tasks/)
+    tasks: list[str] = Field(["tagged_answer"], min_length=1)
+    num_fewshot: int | None = Field(None, ge=0, description="null: each task's own default")
+    # documents per task (a fraction below 1: that share); a run with a limit is not a full-task score
+    limit: int | float | None = Field(None, gt=0)
+    apply_chat_template: bool = False  # tagged_answer's prompts are already in the model's chat format
+    batch_size: int = Field(8, gt=0, description="sequences per forward pass or generation call")
+    max_length: int | None = Field(None, gt=0, description="context in tokens; null: the model's, as lm-eval's HF backend")
+    max_gen_toks: int | None = Field(None, gt=0, description="overrides the tasks' max_gen_toks")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _limit(self):
+        if isinstance(self.limit, float) and self.limit >= 1 and not self.limit.is_integer():
+            raise ValueError(f"limit {self.limit}: a whole number of documents, or a fraction below 1")
+        return self
+
+
 class EvaluateParams(Strict):
     num_prompts: int = Field(16, ge=0, description="held-out prompts to generate for")
     max_new_tokens: int = Field(64, gt=0)
@@ -237,6 +260,7 @@ class EvaluateParams(Strict):
     seed: int = 0
     numeric_tolerance: float = Field(1e-6, ge=0)
     compare_base_model: bool = True
+    harness: HarnessParams = HarnessParams()
 
     @model_validator(mode="after")
     def _sampling(self):

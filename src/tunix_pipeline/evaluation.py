@@ -106,38 +106,49 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-class Generator:
-    """Tunix's `Sampler` with one KV cache shape: fixed batch and prompt length, one compile.
+def make_sampler(model, tokenizer, cache_size: int):
+    """Tunix's KV-cache `Sampler` over `model`; its prompts may also be token ids (lists), used as they are.
 
     The sampler reads the model's variables at each call, so a checkpoint restored
     into the same model afterwards is what the next call generates with.
     """
+    from tunix.generate import sampler as sampler_lib
+
+    class Sampler(sampler_lib.Sampler):
+        def tokenize(self, prompt):
+            return super().tokenize(prompt) if isinstance(prompt, str) else np.asarray(prompt, dtype=np.int32)
+
+    cfg = model.config
+    return Sampler(
+        transformer=model,
+        tokenizer=tokenizer,
+        cache_config=sampler_lib.CacheConfig(
+            cache_size=cache_size, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
+        ),
+    )
+
+
+def sampling_args(temperature: float, top_p: float | None, top_k: int | None) -> dict:
+    """The sampler's arguments: none is greedy (temperature 0), else top-p / top-k sampling."""
+    if temperature <= 0:
+        return {}
+    return dict(temperature=temperature, top_p=top_p if top_p is not None else 1.0, top_k=top_k)
+
+
+class Generator:
+    """Tunix's `Sampler` with one KV cache shape: fixed batch and prompt length, one compile."""
 
     def __init__(self, model, tokenizer, params: EvaluateParams, prompt_length: int):
-        from tunix.generate import sampler as sampler_lib
-
-        cfg = model.config
         self.params = params
         self.prompt_length = prompt_length
         self.stop = end_tokens(tokenizer)
-        self.sampler = sampler_lib.Sampler(
-            transformer=model,
-            tokenizer=tokenizer,
-            cache_config=sampler_lib.CacheConfig(
-                cache_size=prompt_length + params.max_new_tokens,
-                num_layers=cfg.num_layers,
-                num_kv_heads=cfg.num_kv_heads,
-                head_dim=cfg.head_dim,
-            ),
-        )
+        self.sampler = make_sampler(model, tokenizer, prompt_length + params.max_new_tokens)
 
     def __call__(self, prompts: list[str]) -> tuple[list[str], list[int]]:
         """(texts, completion lengths in tokens), `num_samples` consecutive ones per prompt."""
         p = self.params
         expanded = [prompt for prompt in prompts for _ in range(p.num_samples)]
-        sampling = {}
-        if p.temperature > 0:
-            sampling = dict(temperature=p.temperature, top_p=p.top_p if p.top_p is not None else 1.0, top_k=p.top_k)
+        sampling = sampling_args(p.temperature, p.top_p, p.top_k)
         texts, lengths = [], []
         for i, start in enumerate(range(0, len(expanded), p.batch_size)):
             chunk = expanded[start : start + p.batch_size]

@@ -3,6 +3,7 @@ import logging
 import pandas as pd
 
 from tunix_pipeline import evaluation
+from tunix_pipeline import harness as harness_lib
 from tunix_pipeline.config import EvaluateParams, ModelParams, RuntimeParams
 from tunix_pipeline.models import load_run_model, load_tokenizer
 from tunix_pipeline.training import make_mesh, restore_required
@@ -17,6 +18,24 @@ def _evaluator(eval_tokens, eval_formatted, base_model, sft_result, model, param
     network, _ = load_run_model(base_model["path"], model, mesh, quantize=False)
     batch_size = sft_result.get("micro_batch_size") or sft_result["global_batch_size"]
     return network, evaluation.Evaluator(network, tokenizer, mesh, params, eval_tokens, eval_formatted, batch_size)
+
+
+def _harness(network, evaluator, base_model, eval_formatted, params: EvaluateParams):
+    """lm-eval over the same loaded model (weights restored in place), or None when `harness.enabled` is off."""
+    if not params.harness.enabled:
+        return None
+    return harness_lib.Harness(network, evaluator.tokenizer, evaluator.mesh, params.harness, base_model["path"], eval_formatted)
+
+
+def _with_harness(results: dict, report: str, harness_results: dict, delta: tuple[str, str]) -> str:
+    """lm-eval's scores beside ours: a report section, and `harness` in the metrics (its settings under
+    `lm_eval`, which MLflow gets as parameters)."""
+    if not harness_results:
+        return report
+    labels = list(harness_results)
+    results["harness"] = {label: harness_results[label]["scores"] for label in labels}
+    results["harness"]["lm_eval"] = harness_results[labels[0]]["settings"]
+    return report + "\n" + harness_lib.report(harness_results, delta=delta if set(delta) <= set(labels) else None)
 
 
 def _empty_split(eval_tokens: pd.DataFrame, eval_formatted: pd.DataFrame) -> bool:
@@ -41,16 +60,25 @@ def evaluate_models(
     if _empty_split(eval_tokens, eval_formatted):
         reason = "the eval split is empty (set `ingest.eval_fraction` above 0)"
         return {"empty_eval_split": True}, pd.DataFrame(columns=evaluation.SAMPLE_COLUMNS), evaluation.empty_report(reason), curve
+    if params.harness.enabled:
+        harness_lib.check(params.harness)  # before any weights load
     network, evaluator = _evaluator(eval_tokens, eval_formatted, base_model, sft_result, model, params, runtime)
-    results, samples = {}, []
+    harness = _harness(network, evaluator, base_model, eval_formatted, params)
+    results, samples, harness_results = {}, [], {}
     if params.compare_base_model:
         results["base"], base_samples = evaluator.measure("base")
         samples.append(base_samples)
+        if harness:
+            harness_results["base"] = harness.measure("base")
     step = restore_required(network, sft_result["checkpoint_dir"], "sft", "evaluate")
     results["tuned"], tuned_samples = evaluator.measure("tuned")
     results["tuned"]["checkpoint_step"] = step
     samples.append(tuned_samples)
+    if harness:
+        harness_results["tuned"] = harness.measure("tuned")
+        harness.close()
     report = "# Evaluation\n\n" + evaluation.markdown_table(results, delta=("base", "tuned") if "base" in results else None)
+    report = _with_harness(results, report, harness_results, ("base", "tuned"))
     return results, pd.concat(samples, ignore_index=True), report, curve
 
 
@@ -101,15 +129,23 @@ def _after_stage(stage, title, eval_tokens, eval_formatted, base_model, sft_resu
     if _empty_split(eval_tokens, eval_formatted):
         reason = "the eval split is empty (set `ingest.eval_fraction` above 0)"
         return {"empty_eval_split": True}, empty, evaluation.empty_report(reason)
+    if params.harness.enabled:
+        harness_lib.check(params.harness)  # before any weights load
     network, evaluator = _evaluator(eval_tokens, eval_formatted, base_model, sft_result, model, params, runtime)
-    results, samples = {}, []
+    harness = _harness(network, evaluator, base_model, eval_formatted, params)
+    results, samples, harness_results = {}, [], {}
     for label, checkpoint_dir in (("tuned", result["sft_checkpoint_dir"]), (stage, result["checkpoint_dir"])):
         step = restore_required(network, checkpoint_dir, "sft" if label == "tuned" else stage, "evaluate")
         results[label], rows = evaluator.measure(label)
         results[label]["checkpoint_step"] = step
         samples.append(rows)
+        if harness:
+            harness_results[label] = harness.measure(label)
+    if harness:
+        harness.close()
     if "heldout_pair_accuracy" in result:
         results[stage]["heldout_pair_accuracy"] = result["heldout_pair_accuracy"]
         results["tuned"]["heldout_pair_accuracy"] = result["heldout_pair_accuracy_before"]
     report = f"# Evaluation after {title}\n\n" + evaluation.markdown_table(results, delta=("tuned", stage))
+    report = _with_harness(results, report, harness_results, ("tuned", stage))
     return results, pd.concat(samples, ignore_index=True), report
