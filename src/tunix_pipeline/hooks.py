@@ -87,11 +87,12 @@ class ProjectHooks:
         # mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI; put the user's back afterwards
         self._user_uri = os.environ.get("MLFLOW_TRACKING_URI")
         uri = tracking.tracking_uri(self._tracking, self._project_path)
-        # A rerun after a run that stopped: a training that resumes checkpoints follows the run recorded beside
-        # them, a --only-missing-outputs / --from-nodes / --to-nodes rerun the last run of this output root.
-        previous = tracking.recorded_run(self._local(self._params["sft"]["checkpoint_dir"]), uri) if trains else None
-        if previous is None and tracking.is_restart(run_params):
+        # The run a rerun follows: for --only-missing-outputs / --from-nodes / --to-nodes the last run of this
+        # output root; for another run that trains, the run recorded beside the checkpoints it resumes
+        if tracking.is_restart(run_params):
             previous = tracking.recorded_run(self._local(self._runtime.output_root), uri)
+        else:
+            previous = tracking.recorded_run(self._local(self._params["sft"]["checkpoint_dir"]), uri) if trains else None
         resume, lineage = None, {}
         if previous is not None:
             digest = tracking.config_digest(tracking.config_yaml(self._params))
