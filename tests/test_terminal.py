@@ -146,6 +146,7 @@ def test_smoke_run_terminal_is_quiet_and_its_mlflow_run_is_complete(project):
     assert client.get_metric_history(run_id, "system/system_memory_usage_megabytes")
     assert run.data.params["sft_result.mesh.fsdp"] == "4" and "sft_result.mesh.fsdp" not in run.data.metrics
     assert run.data.params["sft.max_steps"] == "200" and "sft_result.latest_step" in run.data.metrics
+    assert run.data.params["grpo_result.rewards.answer"] == "2.0" and "grpo_result.rewards.answer" not in run.data.metrics
 
     # the exported model, registered with the run's lineage, loads back as a transformers pipeline
     version = client.search_model_versions("name='tunix_pipeline'")[0]

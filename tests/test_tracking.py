@@ -102,3 +102,19 @@ def test_a_run_started_from_python_records_its_kedro_run_equivalent():
                        "--only-missing-outputs --params=sft.max_steps=5")
     assert tracking.is_restart({"only_missing_outputs": True}) and tracking.is_restart({"to_nodes": ["x"]})
     assert not tracking.is_restart({"only_missing_outputs": False, "from_nodes": [], "to_nodes": None})
+
+
+def test_a_hub_source_is_named_with_its_revision(monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    from tunix_pipeline.config import SourceParams
+
+    def source(**hf):
+        return SourceParams(name="s", format="gsm8k", hf=hf)
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # no hub here: the configured revision, or say so
+    assert tracking._origin(source(path="openai/gsm8k", name="main", revision="e53f048")) == \
+        "hf:openai/gsm8k[main]/train@e53f048"
+    assert tracking._origin(source(path="openai/gsm8k", split="test")) == "hf:openai/gsm8k/test@unknown (offline)"
+    assert tracking._origin(source(path=str(tmp_path))) == f"hf:{tmp_path}/train@local"  # a folder on disk
+    assert tracking._origin(SourceParams(name="f", format="gsm8k", path="data/01_raw/a.jsonl")) == "data/01_raw/a.jsonl"

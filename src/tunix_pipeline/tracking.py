@@ -366,7 +366,7 @@ def _numeric(value) -> float | None:
 CONFIG_KEYS = frozenset({
     "architecture", "mesh", "assumptions", "max_length", "sequence_length", "beta", "completions_per_step",
     "global_batch_size", "micro_batch_size", "global_batch", "per_device_batch", "gradient_accumulation",
-    "devices", "memory_gib",
+    "devices", "memory_gib", "rewards", "trainable_params", "total_params",
 })
 
 
