@@ -5,8 +5,8 @@ else (a new upstream warning, a real problem) still reaches the terminal. `tests
 runs the smoke pipeline and fails on any third-party warning that is not listed here.
 
 Python warnings are filtered with `warnings.filterwarnings` (message and module). Log lines are
-filtered on the logger that emits them, so the filter holds whatever handlers `conf/logging.yml`
-or a notebook installs: Kedro 1.7 only builds logging filters from the `logging` and `kedro.logging`
+filtered on the logger that emits them, so the filter holds whatever handlers Kedro's logging
+configuration (KEDRO_LOGGING_CONFIG, conf/logging.yml) or a notebook installs: Kedro 1.7 only builds logging filters from the `logging` and `kedro.logging`
 modules (others need KEDRO_LOGGING_MODULE_ALLOWLIST, read before any project code runs), so a
 filter class of ours cannot be named in the logging configuration. `settings.py` calls `install()`,
 which Kedro imports before it creates the configuration loader or runs a node.
