@@ -33,4 +33,4 @@ viz: $(VENV)/.installed
 	$(BIN)/kedro viz build
 
 clean:
-	rm -rf build mlflow.db mlruns data/mlflow.db data/mlruns data/0[2-8]_*/[!.]*
+	rm -rf build mlflow.db mlruns data/mlflow.db data/mlruns data/mlflow_run.json data/0[2-8]_*/[!.]*

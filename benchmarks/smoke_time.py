@@ -1,6 +1,7 @@
 """Smoke pipeline wall time, per stage, with JAX compile time apart from the rest.
 
     python benchmarks/smoke_time.py
+    python benchmarks/smoke_time.py --params "{tracking: {register_model: {enabled: false}}}"   # overrides, YAML
 
 Runs `kedro run --pipelines=smoke` (a Kedro session, in a fresh process, in a
 temporary copy of the project: config, raw data, metadata) with one extra
@@ -20,6 +21,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import yaml
 
 STARTED = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -98,13 +101,13 @@ class NodeTimer:
         self.pipeline_seconds = time.perf_counter() - self.pipeline_start
 
 
-def worker(project: Path) -> dict:
+def worker(project: Path, params: dict | None = None) -> dict:
     from kedro.framework.session import KedroSession
     from kedro.framework.startup import bootstrap_project
 
     bootstrap_project(project)
     timer = NodeTimer()
-    with KedroSession.create(project_path=project) as session:
+    with KedroSession.create(project_path=project, runtime_params=params) as session:
         session._hook_manager.register(timer, name="benchmark_node_timer")
         session_ready = time.perf_counter() - STARTED
         session.run(pipeline_names=["smoke"])
@@ -139,7 +142,7 @@ def run(args) -> dict:
         import subprocess
 
         proc = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "--worker", str(project)],
+            [sys.executable, str(Path(__file__).resolve()), "--worker", str(project), "--params", args.params or "{}"],
             cwd=project,
             env={**environ, **env},
             capture_output=True,
@@ -158,6 +161,7 @@ def run(args) -> dict:
             "benchmark": "smoke",
             "machine": common.describe(common.machine()),
             "command": "kedro run --pipelines=smoke (a KedroSession in a fresh process, temporary project copy)",
+            "params": yaml.safe_load(args.params or "{}"),
             "smoke_seconds": wall,
         }
     )
@@ -169,9 +173,10 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out")
+    p.add_argument("--params", help="parameter overrides as YAML, e.g. \"{sft: {max_steps: 100}}\"")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    result = worker(Path(args.worker)) if args.worker else run(args)
+    result = worker(Path(args.worker), yaml.safe_load(args.params or "{}") or None) if args.worker else run(args)
     common.emit(result, args.out)
     return result
 

@@ -166,9 +166,12 @@ def test_checkpoint_folders_are_checked_to_be_one_folder_on_every_process(tmp_pa
 
 
 def test_the_folders_checked_are_those_the_pipeline_writes_through_orbax():
-    params = {"sft": {"checkpoint_dir": "s"}, "grpo": {"enabled": True, "checkpoint_dir": "g"}}
-    assert orbax_folders(params, ["train_sft", "run_grpo", "export_model"]) == {
-        "sft.checkpoint_dir": "s", "grpo.checkpoint_dir": "g"}
+    params = {"sft": {"checkpoint_dir": "s"}, "grpo": {"enabled": True, "checkpoint_dir": "g"},
+              "preference": {"enabled": True, "checkpoint_dir": "p"}}
+    assert orbax_folders(params, ["train_sft", "run_preference", "run_grpo", "export_model"]) == {
+        "sft.checkpoint_dir": "s", "preference.checkpoint_dir": "p", "grpo.checkpoint_dir": "g"}
+    params["preference"]["enabled"] = False
+    assert orbax_folders(params, ["train_sft", "run_preference"]) == {"sft.checkpoint_dir": "s"}
     assert orbax_folders(params, ["ingest_sources", "evaluate_after_grpo"]) == {}  # nothing to check: no JAX set-up
     params["grpo"]["enabled"] = False
     assert orbax_folders(params, ["train_sft", "run_grpo"]) == {"sft.checkpoint_dir": "s"}

@@ -440,12 +440,28 @@ class WandbParams(Strict):
     mode: Literal["online", "offline"] = "online"  # offline: a local run folder to `wandb sync` later
 
 
+class SystemMetricsParams(Strict):
+    """MLflow's system metrics (CPU, memory, disk, network; GPU with nvidia-ml-py) while SFT and GRPO train."""
+
+    enabled: bool = True
+    interval_s: float = Field(10.0, gt=0, description="seconds between samples")
+
+
+class RegistryParams(Strict):
+    """The exported model as an MLflow model, registered as a new version of `name` (a copy of its weights)."""
+
+    enabled: bool = True
+    name: str = Field("tunix_pipeline", min_length=1)
+
+
 class TrackingParams(Strict):
     enabled: bool = True
     experiment: str = "tunix_pipeline"
     # MLFLOW_TRACKING_URI, when set, wins over this default.
     tracking_uri: str = "sqlite:///data/mlflow.db"
     wandb: WandbParams = WandbParams()
+    system_metrics: SystemMetricsParams = SystemMetricsParams()
+    register_model: RegistryParams = RegistryParams()
     # Node outputs logged to the run: dicts as JSON + numeric metrics,
     # DataFrames as JSONL, strings as text.
     log_outputs: list[str] = []

@@ -8,13 +8,16 @@ import time
 from pathlib import Path
 
 from kedro.framework.hooks import hook_impl
+from kedro.framework.project import settings
 from pydantic import BaseModel
 
-from tunix_pipeline.config import RuntimeParams, TrackingParams
+from tunix_pipeline.config import RuntimeParams, SourceParams, TrackingParams
 from tunix_pipeline.runtime import check_shared_folders, configure_host_devices, initialize_distributed, orbax_folders
 from tunix_pipeline.sessions import Ledger, SessionPlanDone, SessionsParams, brief, expectation, over_weekly_budget
 
 log = logging.getLogger(__name__)
+
+TRAINING_NODES = frozenset({"train_sft", "run_preference", "run_grpo"})  # MLflow's system metrics are sampled while these run
 
 
 # credentials.yml entries -> the environment variables the hub clients read (never overriding one already set)
@@ -48,6 +51,7 @@ class ProjectHooks:
         self._sessions: SessionsParams | None = None
         self._results: dict = {}
         self._started = 0.0
+        self._monitor = None
 
     @hook_impl
     def after_context_created(self, context) -> None:
@@ -81,33 +85,61 @@ class ProjectHooks:
 
         if not self._tracking or not self._tracking.enabled or jax.process_index() != 0:
             return
-        pipelines = run_params.get("pipeline_names") or [run_params.get("pipeline_name") or "__default__"]
+        pipelines = ",".join(p or "__default__" for p in run_params.get("pipeline_names") or [run_params.get("pipeline_name")])
+        env = run_params.get("env") or self._env or settings.CONFIG_LOADER_ARGS["default_run_env"]
         # mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI; put the user's back afterwards
         self._user_uri = os.environ.get("MLFLOW_TRACKING_URI")
         uri = tracking.tracking_uri(self._tracking, self._project_path)
-        resume = None
-        if trains:
-            # a killed or preempted training continues its own run: one curve, one value per step
-            resume = tracking.unfinished_run(self._project_path / self._params["sft"]["checkpoint_dir"], uri)
+        # The run a rerun follows: for --only-missing-outputs / --from-nodes / --to-nodes the last run of this
+        # output root; for another run that trains, the run recorded beside the checkpoints it resumes
+        if tracking.is_restart(run_params):
+            previous = tracking.recorded_run(self._local(self._runtime.output_root), uri)
+        else:
+            previous = tracking.recorded_run(self._local(self._params["sft"]["checkpoint_dir"]), uri) if trains else None
+        resume, lineage = None, {}
+        if previous is not None:
+            digest = tracking.config_digest(tracking.config_yaml(self._params))
+            resume, lineage = tracking.restart_rule(uri, previous, env, digest)
         self._run = tracking.start_run(
             uri,
             self._tracking,
             self._params,
             tags={
-                "kedro.env": run_params.get("env") or self._env,
-                "kedro.pipelines": ",".join(p or "__default__" for p in pipelines),
+                "kedro.env": env,
+                "kedro.pipelines": pipelines,
                 "kedro.session_id": run_params.get("session_id"),
+                tracking.COMMAND_TAG: tracking.kedro_command(run_params),
                 "mlflow.source.git.commit": tracking.git_commit(),
                 **session_tags,
+                **lineage,
             },
             run_id=resume,
+            run_name=f"{pipelines}@{env}",
         )
-        log.info("MLflow run %s in %s", self._run.info.run_id, uri)
+        tracking.remember_run(self._local(self._runtime.output_root))
+        if resume:
+            log.info("MLflow run %s continued (restart of an unfinished run with the same configuration) in %s",
+                     resume, uri)
+        else:
+            log.info("MLflow run %s in %s%s", self._run.info.run_id, uri,
+                     f" (restart of run {lineage['lineage.restart_of']})" if lineage else "")
+
+    def _local(self, path: str) -> str | Path:
+        """A configured folder: a URI as it is, a relative path under the project."""
+        return path if "://" in str(path) else self._project_path / path
 
     @hook_impl
-    def after_node_run(self, node, outputs: dict) -> None:
+    def before_node_run(self, node) -> None:
         from tunix_pipeline import tracking
 
+        if self._run is not None and node.name in TRAINING_NODES:
+            self._monitor = tracking.system_metrics_monitor(self._tracking)
+
+    @hook_impl
+    def after_node_run(self, node, catalog, outputs: dict) -> None:
+        from tunix_pipeline import tracking
+
+        self._stop_monitor()
         self._results.update({k: v for k, v in outputs.items() if k in ("sft_result", "preference_result", "grpo_result")})
         planned = (outputs.get("sft_plan") or {}).get("hours")
         if planned is not None and self._started and self._sessions.current:
@@ -118,6 +150,28 @@ class ProjectHooks:
         for name, value in outputs.items():
             if name in self._tracking.log_outputs:
                 tracking.log_output(name, value)
+        splits = {name: outputs[name] for name in ("train_records", "eval_records") if name in outputs}
+        if splits:
+            # the saved file is the dataset's source (kedro-datasets describe their path only in _describe())
+            files = {name: catalog[name]._describe().get("filepath") for name in splits}
+            tracking.log_splits(splits, files, [SourceParams.model_validate(s) for s in self._params["ingest"]["sources"]])
+        exported = outputs.get("exported_model")
+        if exported and self._tracking.register_model.enabled:
+            if "://" in exported["path"]:  # MLflow logs a model from a local folder
+                log.info("export in %s: not registered in MLflow (a local export.output_dir is)", exported["path"])
+                return
+            base = catalog.load("base_model") if catalog.exists("base_model") else None
+            version = tracking.register_model(exported, self._tracking.register_model, base)
+            log.info("exported model registered in MLflow as %s", version["uri"])
+
+    @hook_impl
+    def on_node_error(self) -> None:
+        self._stop_monitor()
+
+    def _stop_monitor(self) -> None:
+        if self._monitor is not None:
+            self._monitor.finish()
+            self._monitor = None
 
     @hook_impl
     def after_pipeline_run(self, catalog) -> None:
@@ -183,6 +237,7 @@ class ProjectHooks:
     def _finish(self, failed: bool) -> None:
         from tunix_pipeline import tracking
 
+        self._stop_monitor()
         if self._run is not None:
             tracking.end_run(failed)
             self._run = None

@@ -118,11 +118,11 @@ class FolderNotShared(UserError, RuntimeError):
 
 
 # the folders Orbax writes from every process together, by the node that writes them
-ORBAX_FOLDERS = {"train_sft": "sft.checkpoint_dir", "run_grpo": "grpo.checkpoint_dir"}
+ORBAX_FOLDERS = {"train_sft": "sft.checkpoint_dir", "run_preference": "preference.checkpoint_dir", "run_grpo": "grpo.checkpoint_dir"}
 
 
 def orbax_folders(params: dict, node_names: Iterable[str]) -> dict[str, str]:
-    """{setting: folder} of the checkpoint folders these nodes write (GRPO's only when it is enabled)."""
+    """{setting: folder} of the checkpoint folders these nodes write (a stage's only when it is enabled)."""
     names = set(node_names)
     folders = {}
     for node, setting in ORBAX_FOLDERS.items():

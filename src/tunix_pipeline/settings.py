@@ -1,7 +1,11 @@
 """Kedro project settings."""
 
-from tunix_pipeline.hooks import ProjectHooks
-from tunix_pipeline.sessions import SessionConfigLoader
+from tunix_pipeline import quiet
+
+quiet.install()  # before the imports below and before Kedro builds its config loader: they warn
+
+from tunix_pipeline.hooks import ProjectHooks  # noqa: E402
+from tunix_pipeline.sessions import SessionConfigLoader  # noqa: E402
 
 HOOKS = (ProjectHooks(),)
 

@@ -75,6 +75,10 @@ def _write(state: dict, out_dir, tokenizer, hf_config: dict, max_shard_size) -> 
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         config = {k: v for k, v in hf_config.items() if k not in ("torch_dtype", "dtype")}
         config["dtype"] = dtype
+        if not config.get("architectures"):  # a built or GGUF-converted config has none; MLflow and vLLM read it
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]]
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         GenerationConfig(
             **{k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}

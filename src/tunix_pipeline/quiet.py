@@ -1,0 +1,123 @@
+"""Known upstream warnings and log lines that say nothing to a user of this project, silenced one by one.
+
+Each entry names the exact message and where it comes from, with the reason it is harmless; anything
+else (a new upstream warning, a real problem) still reaches the terminal. `tests/test_terminal.py`
+runs the smoke pipeline and fails on any third-party warning that is not listed here.
+
+Python warnings are filtered with `warnings.filterwarnings` (message and module). Log lines are
+filtered on the logger that emits them, so the filter holds whatever handlers Kedro's logging
+configuration (KEDRO_LOGGING_CONFIG, conf/logging.yml) or a notebook installs: Kedro 1.7 only builds logging filters from the `logging` and `kedro.logging`
+modules (others need KEDRO_LOGGING_MODULE_ALLOWLIST, read before any project code runs), so a
+filter class of ours cannot be named in the logging configuration. `settings.py` calls `install()`,
+which Kedro imports before it creates the configuration loader or runs a node.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import PurePath
+
+
+@dataclass(frozen=True)
+class KnownWarning:
+    """A Python warning: its category, the exact text, and the module it is attributed to."""
+
+    category: type[Warning]
+    message: str
+    module: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class KnownLogLine:
+    """A log record: the logger that emits it, the file that calls the logger, the exact message."""
+
+    logger: str
+    path: str  # the end of the calling file's path, e.g. "tunix/models/safetensors_loader.py"
+    message: str
+    reason: str
+
+
+WARNINGS = (
+    KnownWarning(
+        UserWarning,
+        "register_new_resolver() is deprecated and will be removed in a future release.\n"
+        "Use register_resolver() instead.\n"
+        "See https://github.com/hydra-ecosystem/omegaconf/issues/426 for migration instructions.\n",
+        "kedro.config.omegaconf_config",
+        "Kedro 1.7's own config loader still calls OmegaConf's old resolver API; the resolvers work (omegaconf 2.4)",
+    ),
+    KnownWarning(
+        UserWarning,
+        "The specified dataset source can be interpreted in multiple ways: LocalArtifactDatasetSource, "
+        "LocalArtifactDatasetSource. MLflow will assume that this is a LocalArtifactDatasetSource source.",
+        "mlflow.data.dataset_source_registry",
+        "MLflow registers its local-file dataset source for two URI schemes; both candidates are the same class",
+    ),
+)
+
+LOG_LINES = (
+    KnownLogLine(
+        "transformers",
+        "transformers/__init__.py",
+        "PyTorch was not found. Models won't be available and only tokenizers, configuration and file/data "
+        "utilities can be used.",
+        "the project runs models in JAX and uses transformers only for tokenizers and configs (torch is optional)",
+    ),
+    KnownLogLine(
+        "absl",
+        "tunix/models/safetensors_loader.py",
+        "Optimized mode is faster and recommended if possible.",
+        "Tunix's loader is not used for weights: ours loads them onto the mesh shards (models/loading.py)",
+    ),
+    *(
+        KnownLogLine(
+            "absl",
+            "tunix/sft/utils.py",
+            f"Skipping non-TPU device: {platform}. You might be missing jax[tpu] dependency.",
+            "Tunix's TPU memory probe, asked about a CPU or GPU device; we log device memory where JAX reports it",
+        )
+        for platform in ("cpu", "gpu")
+    ),
+)
+
+
+class _DropKnown(logging.Filter):
+    """Drops the records of `lines` (all from one logger); keeps every other record."""
+
+    def __init__(self, lines: tuple[KnownLogLine, ...]):
+        super().__init__()
+        self.lines = lines
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(message == line.message and _emitted_from(record, line.path) for line in self.lines)
+
+
+def _emitted_from(record: logging.LogRecord, path: str) -> bool:
+    """Whether `path` logged the record: its pathname, or a caller on the stack (absl's records name absl's file)."""
+    if PurePath(record.pathname).as_posix().endswith("/" + path):
+        return True
+    frame = sys._getframe()
+    while frame is not None:
+        if PurePath(frame.f_code.co_filename).as_posix().endswith("/" + path):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def install() -> None:
+    """Adds the filters above (once per process; calling again changes nothing)."""
+    for known in WARNINGS:
+        warnings.filterwarnings(
+            "ignore", message=re.escape(known.message) + r"\Z", category=known.category,
+            module=re.escape(known.module) + r"\Z",
+        )
+    for name in sorted({line.logger for line in LOG_LINES}):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropKnown) for f in logger.filters):
+            logger.addFilter(_DropKnown(tuple(line for line in LOG_LINES if line.logger == name)))
