@@ -1,11 +1,16 @@
-"""XLA's own figure: the SFT train step compiled ahead of time on a fake mesh, no weights.
+"""XLA's own figure: the SFT train step compiled ahead of time for a mesh, no weights.
 
 The step is Tunix's `PeftTrainer` step built from the project's pieces
 (`completion_loss`, `model_inputs`, `make_optimizer`, `make_mesh`): the model
 and optimizer are abstract (`nnx.eval_shape`), sharded as Tunix shards them,
 the optimizer state is donated and the model is not (as in Tunix), and the
-program is lowered and compiled for a CPU mesh of the planned shape, whose
-`memory_analysis()` gives the bytes per device.
+program is lowered and compiled for a mesh of the planned shape, whose
+`memory_analysis()` gives the bytes per device and `cost_analysis()` the FLOPs.
+
+The mesh is a TPU topology's when libtpu is installed (`tpu_devices`: libtpu's
+compile-only devices of e.g. a v5e 2x4 or a v4 4x4x2, on any machine, no TPU) or
+the attached TPU's: XLA:TPU then compiles the very program the sft node runs.
+Elsewhere it is a fake CPU mesh.
 
 Tunix skips its activation sharding constraints on the CPU (`shard()` returns
 its input there); they are switched on while tracing so the CPU program is
