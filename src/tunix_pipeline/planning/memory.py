@@ -67,8 +67,6 @@ ACCELERATOR = Coefficients(
     gathered_layers=1.0,
     vocab_over_tp=False,
 )
-# XLA:TPU itself, the program the plan compiles for a TPU profile's topology (libtpu): fitted below
-TPU = ACCELERATOR
 # XLA:CPU on the fake 8-device mesh (the tiny model; Gemma-2B shapes in float32). The CPU keeps
 # more of the GELU's intermediates and computes bf16 matmuls in float32.
 CPU = Coefficients(
@@ -84,7 +82,7 @@ CPU = Coefficients(
 
 
 def coefficients(backend: str) -> Coefficients:
-    return {"cpu": CPU, "tpu": TPU}.get(backend, ACCELERATOR)
+    return CPU if backend == "cpu" else ACCELERATOR
 
 
 @dataclasses.dataclass(frozen=True)
