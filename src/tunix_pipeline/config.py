@@ -379,7 +379,7 @@ class XlaCheckParams(Strict):
     selected profile when libtpu is installed, else on a fake CPU mesh."""
 
     enabled: bool = True
-    # deeper models are compiled at one and two layer periods and extrapolated linearly; null: every layer
+    # deeper models are compiled at one and two layer periods (XLA:TPU: two and three) and extrapolated; null: every layer
     max_layers: int | None = Field(4, gt=0)
     timeout_seconds: int = Field(900, gt=0)
 
