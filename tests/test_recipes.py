@@ -202,7 +202,7 @@ def test_qwen05b_v5e8_against_seed_001(plans, params):
     # seed 001: ~1.7 GB per core, "well within 16 GB"; it counts the bf16 weights (1 GB) and the layer
     # inputs (~0.7 GB). The plan's weights (sharded 8 ways, fp32 masters, bf16 copy) and kept activations
     # come to about that; it adds the AdamW state and the float32 logits of a 151,936-word vocabulary
-    assert summary["memory_fraction"] < 0.5
+    assert summary["memory_fraction"] < 0.65  # XLA:TPU compiles the step to ~9.1 GiB per 16 GiB chip
     assert 0.6 < (m["params_gib"] + m["activations_gib"]) * GIB / (1.7 * GB) < 1.4
     assert m["logits_gib"] > 3 and summary["memory_per_device_gib"] > 1.7 * GB / GIB
     # seed 001: ~30 min for 3 epochs, $0.60 preemptible, $2.40 on demand, ~0.1 s a batch of 32
