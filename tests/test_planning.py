@@ -166,7 +166,7 @@ def test_kaggle_sessions_and_the_weekly_quota():
     assert row.weeks == -(-row.hours // 20)
     # a checkpoint interval longer than a session: warned, not refused
     long = _plan(ModelParams(source="Qwen/Qwen2.5-0.5B", dtype="bfloat16"), "kaggle-tpu-v5e-8", max_length=1024,
-                 per_device_batch_size=1, max_steps=2_000_000, checkpoint_every=1_000_000)
+                 per_device_batch_size=1, max_steps=4_000_000, checkpoint_every=2_000_000)
     assert long.selected.fits and long.selected.memory_fraction < 0.9
     assert long.status == "risky" and any("before the first checkpoint" in w for w in long.warnings)
 

@@ -7,6 +7,8 @@ the whole configuration before any node runs; unknown keys are errors
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -480,7 +482,26 @@ class HardwareProfile(Strict):
     preemptible_cost_per_hour: float | None = Field(None, ge=0, description="USD/hour, spot/preemptible")
     session_hours: float | None = Field(None, gt=0, description="a session ends after this (Kaggle: 9)")
     weekly_hours: float | None = Field(None, gt=0, description="quota per week (Kaggle TPU: 20)")
-    mfu: float | None = Field(None, gt=0, le=1, description="overrides plan.mfu on this hardware")
+    mfu: float | None = Field(None, gt=0, le=1, description="assumed MFU on this hardware; overrides plan.mfu")
+    mfu_source: str = ""  # where the assumed MFU comes from (a published benchmark, a seed, a measurement)
+    # a TPU's topology as libtpu names it (e.g. v5e:2x4, v4:4x4x2): the plan compiles the train step for it
+    topology: str | None = None
+
+    @model_validator(mode="after")
+    def _topology_has_the_devices(self):
+        if self.topology is None:
+            return self
+        m = re.fullmatch(r"(v2|v3|v4|v5e|v5p|v6e|tpu7x):(\d+(?:x\d+){1,2})", self.topology)
+        if self.kind != "tpu" or not m:
+            raise ValueError(
+                f"topology {self.topology!r}: a TPU profile's chip generation and chip grid as libtpu names them, "
+                "e.g. v5e:2x4 (8 chips), v4:4x4x2 (32 chips), v5p:2x2x1, v6e:2x4"
+            )
+        chips = math.prod(int(x) for x in m.group(2).split("x"))
+        per_chip = 2 if m.group(1) in ("v2", "v3", "tpu7x") else 1  # JAX's devices per chip (v4/v5p: megacore)
+        if chips * per_chip != self.devices:
+            raise ValueError(f"topology {self.topology} has {chips * per_chip} JAX devices, the profile says devices: {self.devices}")
+        return self
     setup_minutes: float | None = Field(None, ge=0, description="overrides plan.session_setup_minutes")
     note: str = ""
 
@@ -492,10 +513,11 @@ class PlanBudget(Strict):
 
 
 class XlaCheckParams(Strict):
-    """Compile the train step ahead of time on a fake CPU mesh (abstract shapes, no weights)."""
+    """Compile the train step ahead of time (abstract shapes, no weights): for the TPU topology of the
+    selected profile when libtpu is installed, else on a fake CPU mesh."""
 
     enabled: bool = True
-    # deeper models are compiled at one and two layer periods and extrapolated linearly; null: every layer
+    # deeper models are compiled at one and two layer periods (XLA:TPU: two and three) and extrapolated; null: every layer
     max_layers: int | None = Field(4, gt=0)
     timeout_seconds: int = Field(900, gt=0)
 

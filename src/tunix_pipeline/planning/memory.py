@@ -56,7 +56,9 @@ class Coefficients:
 # 512/1024, bf16 and f32, fsdp 8 and fsdp 4 x tp 2, remat none/decoder: within ~10%, the whole
 # 18-layer model (extrapolated) within +5%; the TPU does not split the loss over tp. Qwen2.5-0.5B's
 # GQA attention keeps less than Gemma's (the estimate is ~30% over per layer at length 1024, close
-# at 512). Used for TPUs and GPUs.
+# at 512). Used for TPUs and GPUs. Against the plan's own XLA:TPU compile (libtpu 0.0.42, layers 2
+# and 3 extrapolated; `benchmarks/tpu_memory.py --recipes`): tpu_full's step +4%, Qwen2.5-0.5B's
+# (qwen05b_v5e8) -25%, the 7M pod model's (v4_64_pod) -25%: to be refitted there.
 ACCELERATOR = Coefficients(
     mlp_bytes={"bfloat16": 6.0, "float32": 12.0},
     hidden_copies=1.0,
@@ -198,8 +200,11 @@ def estimate_memory(arch: Architecture, setup: TrainSetup) -> MemoryEstimate:
     f32_positions = tokens if not s.loss_chunk else s.per_device_batch * min(s.loss_chunk, s.seq_len)
     compute_copies = k.logit_compute_copies if c < 4 else 0.0
     logits = vocab_dev * (f32_positions * k.logit_f32_copies * 4 + tokens * compute_copies * c)
-    if s.loss_chunk and c == 4:
-        logits += tokens * vocab_dev * c  # the model's logits themselves, whole
+    if s.loss_chunk:
+        # one whole batch x length x vocabulary buffer beside the chunks: the model's logits (float32
+        # runs; bf16 runs count them above) or, in bf16, their gradient assembled chunk by chunk
+        # (XLA:TPU, tpu_full's step: ~2 GiB more than the unchunked copies say at 4 x 1024 tokens)
+        logits += tokens * vocab_dev * c
     head = arch.vocab_size * d / vocab_tp * c
     logits += k.head_copies * head if s.fsdp > 1 else head
 

@@ -47,6 +47,11 @@ class Job:
     def samples(self) -> int:
         return self.max_steps * self.global_batch
 
+    def flops_per_step(self, global_batch: int, remat: str) -> float:
+        """Analytic FLOPs of one optimizer step of `global_batch` rows."""
+        mode = "full" if self.mode == "full" else "lora"
+        return global_batch * self.seq_len * self.arch.train_flops_per_token(self.seq_len, mode, remat)
+
 
 @dataclasses.dataclass(frozen=True)
 class Row:
@@ -70,14 +75,22 @@ class Row:
     preemptible_cost: float | None
     within_budget: bool
     notes: tuple[str, ...] = ()
+    compiled_peak: float | None = None  # XLA:TPU's memory_analysis() of this very step, when compiled
+    compiled_flops: float | None = None  # its cost_analysis() FLOPs per optimizer step, all devices
+    mfu: float = 0.0  # the assumed MFU the step time rests on
+
+    @property
+    def peak(self) -> float:
+        """Bytes per device: the compiled program's when there is one, else the estimate."""
+        return self.compiled_peak if self.compiled_peak is not None else self.memory.peak
 
     @property
     def fits(self) -> bool:
-        return self.memory.peak <= self.usable_bytes
+        return self.peak <= self.usable_bytes
 
     @property
     def memory_fraction(self) -> float:
-        return self.memory.peak / self.usable_bytes
+        return self.peak / self.usable_bytes
 
 
 @dataclasses.dataclass
@@ -107,11 +120,16 @@ class Plan:
             "per_device_batch": s.setup.per_device_batch,
             "gradient_accumulation": s.setup.grad_accum,
             "mesh": s.setup.mesh,
-            "memory_per_device_gib": round(s.memory.peak / GIB, 3),
+            "memory_per_device_gib": round(s.peak / GIB, 3),
+            "memory_from": "XLA:TPU" if s.compiled_peak is not None else "estimate",
+            "estimated_memory_per_device_gib": round(s.memory.peak / GIB, 3),
             "usable_memory_gib": round(s.usable_bytes / GIB, 3),
             "memory_fraction": round(s.memory_fraction, 4),
             "memory": s.memory.as_dict(),
             "step_seconds": s.step_seconds,
+            "flops_per_step": s.compiled_flops or self.job.flops_per_step(s.global_batch, s.setup.remat),
+            "flops_from": "XLA:TPU" if s.compiled_flops is not None else "estimate",
+            "mfu": s.mfu,
             "samples_per_hour": s.samples_per_hour,
             "steps": s.steps,
             "steps_per_session": s.steps_per_session,
@@ -128,7 +146,7 @@ class Plan:
             "profiles": {
                 r.profile: {
                     "fits": r.fits,
-                    "memory_per_device_gib": round(r.memory.peak / GIB, 3),
+                    "memory_per_device_gib": round(r.peak / GIB, 3),
                     "memory_gib": r.hw.memory_gib,
                     "devices": r.hw.devices,
                     "hours": r.hours,
@@ -225,7 +243,10 @@ def setup_on(job: Job, hw: HardwareProfile, per_device_batch: int | None = None)
 
 
 # ---------------------------------------------------------------- one profile
-def evaluate(job: Job, name: str, hw: HardwareProfile, plan: PlanParams, setup: TrainSetup | None = None) -> Row:
+def evaluate(job: Job, name: str, hw: HardwareProfile, plan: PlanParams, setup: TrainSetup | None = None,
+             compiled: dict | None = None) -> Row:
+    """The job on `hw`; `compiled`: XLA:TPU's figures for this very setup (`check_against_xla`), used
+    in place of the estimate's memory and FLOPs."""
     if setup is None:
         setup, global_batch = setup_on(job, hw)
     else:
@@ -234,7 +255,12 @@ def evaluate(job: Job, name: str, hw: HardwareProfile, plan: PlanParams, setup: 
     usable = hw.memory_gib * GIB * plan.usable_memory_fraction
     mfu = hw.mfu or plan.mfu
     steps = max(1, math.ceil(job.samples / global_batch))
-    flops = global_batch * job.seq_len * job.arch.train_flops_per_token(job.seq_len, "full" if job.mode == "full" else "lora", setup.remat)
+    compiled_peak = compiled_flops = None
+    if compiled:
+        compiled_peak = compiled["xla_gib"] * GIB
+        # the compiled step is one micro-batch on every device; an optimizer step is grad_accum of them
+        compiled_flops = compiled["flops_per_device"] * setup.devices * setup.grad_accum if compiled.get("flops_per_device") else None
+    flops = compiled_flops or job.flops_per_step(global_batch, setup.remat)
     step_seconds = flops / (hw.devices * hw.peak_tflops * 1e12 * mfu)
     samples_per_hour = global_batch * 3600 / step_seconds
     ckpt = plan.checkpoint_seconds
@@ -287,6 +313,9 @@ def evaluate(job: Job, name: str, hw: HardwareProfile, plan: PlanParams, setup: 
         preemptible_cost=pcost,
         within_budget=within,
         notes=tuple(notes),
+        compiled_peak=compiled_peak,
+        compiled_flops=compiled_flops,
+        mfu=mfu,
     )
 
 
@@ -347,10 +376,11 @@ def _host_memory_bytes() -> int | None:
 
 
 # ---------------------------------------------------------------- the whole plan
-def make_plan(job: Job, plan: PlanParams, selected: tuple[str, HardwareProfile]) -> Plan:
+def make_plan(job: Job, plan: PlanParams, selected: tuple[str, HardwareProfile], compiled: dict | None = None) -> Plan:
+    """`compiled`: XLA:TPU's figures for the selected run (`check_against_xla`), which it then rests on."""
     name, hw = selected
     rows = [evaluate(job, n, p, plan) for n, p in plan.profiles.items()]
-    chosen = evaluate(job, name, hw, plan)
+    chosen = evaluate(job, name, hw, plan, compiled=compiled)
     if name in plan.profiles:
         rows = [chosen if r.profile == name else r for r in rows]
     else:
@@ -367,7 +397,7 @@ def make_plan(job: Job, plan: PlanParams, selected: tuple[str, HardwareProfile])
         if chosen.memory_fraction > plan.warn_memory_fraction:
             warnings.append(
                 f"uses {chosen.memory_fraction:.0%} of the usable memory per device on {name} "
-                f"({_gib(chosen.memory.peak)} of {_gib(chosen.usable_bytes)}): little headroom, an OOM is possible"
+                f"({_gib(chosen.peak)} of {_gib(chosen.usable_bytes)}): little headroom, an OOM is possible"
             )
         warnings += [
             n + ": checkpoint more often (sft.checkpoint_every), or set sft.time_budget_hours so the run saves in time"
@@ -398,7 +428,8 @@ def make_plan(job: Job, plan: PlanParams, selected: tuple[str, HardwareProfile])
         warnings=warnings,
         advice=advice,
         assumptions={
-            "mfu": plan.mfu,
+            "mfu": chosen.mfu,
+            "mfu_source": hw.mfu_source or "plan.mfu",
             "usable_memory_fraction": plan.usable_memory_fraction,
             "checkpoint_seconds": chosen.checkpoint_seconds,
             "session_setup_minutes": plan.session_setup_minutes,
@@ -477,15 +508,19 @@ def what_would_fit(job: Job, row: Row, plan: PlanParams) -> list[str]:
 def refusal(plan: Plan) -> str:
     """Why the selected run cannot start, by how much, and what would make it fit."""
     s = plan.selected
-    over = s.memory.peak - s.usable_bytes
+    over = s.peak - s.usable_bytes
     m = s.memory
+    compiled = ""
+    if s.compiled_peak is not None and plan.xla:
+        compiled = (f" at least (XLA:TPU refuses to compile it for {plan.xla['topology']})" if plan.xla.get("out_of_memory")
+                    else f" (XLA:TPU, compiled for {plan.xla['topology']})")
     lines = [
         f"{plan.job.arch.name} ({plan.job.mode} fine-tuning, {plan.job.param_dtype}, per-device batch "
         f"{s.setup.per_device_batch} x {plan.job.seq_len} tokens, mesh {s.setup.mesh}) does not fit {s.profile}: "
-        f"it needs {_gib(m.peak)} per device and {_gib(s.usable_bytes)} is usable "
+        f"it needs {_gib(s.peak)} per device{compiled} and {_gib(s.usable_bytes)} is usable "
         f"({s.hw.memory_gib:g} GiB x {plan.assumptions.get('usable_memory_fraction', 1):g}): "
         f"over by {_gib(over)} ({over / s.usable_bytes:.0%}).",
-        f"  per device: parameters {_gib(m.params)}, gradients {_gib(m.grads)}, optimizer {_gib(m.optimizer)}, "
+        f"  per device (estimate, {_gib(m.peak)} in all): parameters {_gib(m.params)}, gradients {_gib(m.grads)}, optimizer {_gib(m.optimizer)}, "
         f"activations {_gib(m.activations)}, logits {_gib(m.logits)}.",
     ]
     if plan.advice:

@@ -17,6 +17,7 @@ def _hours(h: float) -> str:
 def _row(r: Row, selected: str, recommended: str | None) -> str:
     s = r.setup
     mark = " **(this run)**" if r.profile == selected else ""
+    xla = " (XLA:TPU)" if r.compiled_peak is not None else ""
     mark += " **(recommended)**" if r.profile == recommended else ""
     fits = f"{r.memory_fraction:.0%}" if r.fits else f"**no** ({r.memory_fraction:.0%})"
     sessions = "-" if r.steps_per_session is None else (str(r.sessions) if r.sessions else "never")
@@ -24,7 +25,7 @@ def _row(r: Row, selected: str, recommended: str | None) -> str:
         sessions += f" ({r.weeks} weeks)"
     return (
         f"| {r.profile}{mark} | {r.hw.devices} x {r.hw.memory_gib:.3g} | {s.data}x{s.fsdp}x{s.tp} | "
-        f"{s.per_device_batch} x{s.grad_accum} | {size(r.memory.peak)} | {fits} | {r.step_seconds:.3g} | "
+        f"{s.per_device_batch} x{s.grad_accum} | {size(r.peak)}{xla} | {fits} | {r.step_seconds:.3g} | "
         f"{r.samples_per_hour:,.0f} | {sessions} | {_hours(r.hours)} | {_money(r.cost)} | {_money(r.preemptible_cost)} | "
         f"{'; '.join(r.notes)} |"
     )
@@ -46,8 +47,10 @@ def markdown(plan: Plan) -> str:
         + f"), remat {j.remat}" + (f", loss chunks of {j.loss_chunk}" if j.loss_chunk else "") + ".",
         "",
         f"On **{s.profile}** ({s.hw.devices} x {s.hw.memory_gib:.3g} GiB, mesh data x fsdp x tp = "
-        f"{s.setup.data}x{s.setup.fsdp}x{s.setup.tp}): {status} — {size(m.peak)} per device of "
-        f"{size(s.usable_bytes)} usable; {_hours(s.hours)}, {_money(s.cost)}.",
+        f"{s.setup.data}x{s.setup.fsdp}x{s.setup.tp}): {status} — {size(s.peak)} per device of "
+        f"{size(s.usable_bytes)} usable"
+        + (f" (XLA:TPU's figure for the compiled step; the estimate says {size(m.peak)})" if s.compiled_peak is not None else "")
+        + f"; {_hours(s.hours)}, {_money(s.cost)}.",
         "",
         "| per device | estimate |",
         "|---|---:|",
@@ -90,11 +93,16 @@ def markdown(plan: Plan) -> str:
     ]
     lines += [_row(r, s.profile, plan.recommended.profile if plan.recommended else None) for r in plan.rows]
     a = plan.assumptions
+    flops = "XLA:TPU's FLOPs of the compiled step" if s.compiled_flops is not None else "FLOPs per step estimated from the shapes"
     lines += [
         "",
-        f"Assumptions: MFU {a.get('mfu')} (a profile's own wins), {a.get('usable_memory_fraction'):.0%} of memory usable, "
+        f"Assumptions: MFU {s.mfu:g} on {s.profile} is **assumed**, not measured here "
+        f"({s.hw.mfu_source or 'plan.mfu'}); every profile's MFU and its source are in "
+        "conf/base/parameters_plan.yml. "
+        f"{a.get('usable_memory_fraction'):.0%} of memory usable, "
         f"{a.get('checkpoint_seconds', 0):.0f} s per checkpoint, {a.get('session_setup_minutes'):g} min set-up per session. "
-        "Time = steps x FLOPs per step / (devices x peak x MFU) + checkpoints + set-up; cost = time x hourly price.",
+        f"Time = steps x FLOPs per step ({flops}) / (devices x peak x MFU) + checkpoints + set-up; "
+        "cost = time x hourly price.",
         "",
     ]
     return "\n".join(lines)
@@ -102,8 +110,29 @@ def markdown(plan: Plan) -> str:
 
 def xla_section(x: dict) -> list[str]:
     lines = ["## Checked against XLA", ""]
+    if x.get("out_of_memory"):
+        return lines + [
+            f"**XLA:TPU refuses the train step for {x['topology']}: it needs more than the chip's memory** "
+            f"({x['error']}); the plan above counts at least {size(x['xla_gib'] * GIB)} per device."
+        ]
+    if x.get("does_not_compile"):
+        return lines + [f"**The train step does not compile for {x['topology']} (XLA:TPU):** {x['error']}"]
     if x.get("error"):
         return lines + [f"Not checked: {x['error']}"]
+    if x["platform"] == "tpu":
+        return lines + [
+            f"The run's own train step compiled by XLA:TPU for {x['topology']} ({x['method']}; abstract shapes, "
+            f"no weights, no TPU needed) in {x['seconds']:.0f} s, mesh {x['mesh']}, {x['dtype']}: the plan above "
+            "uses its memory and FLOPs.",
+            "",
+            "| per device | estimate | XLA:TPU | difference |",
+            "|---|---:|---:|---:|",
+            f"| peak memory (memory_analysis()) | {size(x['estimate_gib'] * GIB)} | {size(x['xla_gib'] * GIB)} | "
+            f"{x['difference']:+.1%} |",
+            f"| FLOPs per micro-batch step (cost_analysis()) | {x['flops_estimate_per_device'] / 1e12:,.2f} TFLOP | "
+            f"{x['flops_per_device'] / 1e12:,.2f} TFLOP | "
+            f"{x['flops_estimate_per_device'] / x['flops_per_device'] - 1:+.1%} |",
+        ]
     lines += [
         f"The same train step compiled ahead of time ({x['method']}; abstract shapes, no weights) "
         f"on a fake {x['platform'].upper()} mesh {x['mesh']}, {x['dtype']}"

@@ -1,11 +1,16 @@
-"""XLA's own figure: the SFT train step compiled ahead of time on a fake mesh, no weights.
+"""XLA's own figure: the SFT train step compiled ahead of time for a mesh, no weights.
 
 The step is Tunix's `PeftTrainer` step built from the project's pieces
 (`completion_loss`, `model_inputs`, `make_optimizer`, `make_mesh`): the model
 and optimizer are abstract (`nnx.eval_shape`), sharded as Tunix shards them,
 the optimizer state is donated and the model is not (as in Tunix), and the
-program is lowered and compiled for a CPU mesh of the planned shape, whose
-`memory_analysis()` gives the bytes per device.
+program is lowered and compiled for a mesh of the planned shape, whose
+`memory_analysis()` gives the bytes per device and `cost_analysis()` the FLOPs.
+
+The mesh is a TPU topology's when libtpu is installed (`tpu_devices`: libtpu's
+compile-only devices of e.g. a v5e 2x4 or a v4 4x4x2, on any machine, no TPU) or
+the attached TPU's: XLA:TPU then compiles the very program the sft node runs.
+Elsewhere it is a fake CPU mesh.
 
 Tunix skips its activation sharding constraints on the CPU (`shard()` returns
 its input there); they are switched on while tracing so the CPU program is
@@ -13,9 +18,9 @@ partitioned like the accelerator's. The CPU has no bf16 matmul (XLA computes bf1
 models' matmuls in float32 there, keeping a mixture of both), so
 `planning.check_against_xla` checks a bf16 run as the same step in float32.
 
-Deep models are compiled at one and two layer periods and extrapolated
-linearly (every layer adds the same buffers), which is much faster than
-compiling every layer and agrees with it within a few percent.
+Deep models are compiled at one and two layer periods (XLA:TPU: two and
+three) and extrapolated linearly (every further layer adds the same buffers),
+which is much faster than compiling every layer.
 
 Run as `python -m tunix_pipeline.planning.xla` (a JSON request on stdin, the
 result on stdout) when this process lacks the fake devices.
@@ -25,7 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -193,7 +200,10 @@ def compile_step(arch: Architecture, setup: TrainSetup, layers: int | None = Non
         fast = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
         compiled = lowered.compile(compiler_options=fast if devices[0].platform == "cpu" else None)
     ma = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # one dict per program in older JAX
     out = {
+        "flops": float(cost.get("flops", 0.0)),  # per device: the program is partitioned
         "argument": ma.argument_size_in_bytes,
         "output": ma.output_size_in_bytes,
         "alias": ma.alias_size_in_bytes,
@@ -207,23 +217,88 @@ def compile_step(arch: Architecture, setup: TrainSetup, layers: int | None = Non
 
 
 def xla_peak(arch: Architecture, setup: TrainSetup, max_layers: int | None = 4, lora=None, devices=None) -> dict:
-    """XLA's peak bytes per device for the whole model (extrapolated from 1 and 2 layer periods when deep)."""
+    """XLA's peak bytes per device for the whole model (extrapolated from two depths when deep)."""
     period = max(arch.layer_period, 1)
-    if max_layers is None or arch.num_layers <= max(max_layers, 2 * period):
+    # XLA:TPU schedules a model's first layer unlike the others (Qwen2.5-0.5B with remat, 4 x 1000 tokens
+    # a chip: the second layer adds 0.45 GiB, the third 0.16; Gemma-2B, 1 x 512: two layers took less
+    # than one), so on a TPU the extrapolation starts from two layer periods
+    first = 2 * period if devices is not None and devices[0].platform == "tpu" else period
+    if max_layers is None or arch.num_layers <= max(max_layers, first + period):
         full = compile_step(arch, setup, None, lora, devices)
         return {**full, "method": f"compiled all {arch.num_layers} layers"}
-    a = compile_step(arch, setup, period, lora, devices)
-    b = compile_step(arch, setup, 2 * period, lora, devices)
-    per_period = b["peak"] - a["peak"]
-    periods = arch.num_layers / period
-    peak = a["peak"] + (periods - 1) * per_period
+    a = compile_step(arch, setup, first, lora, devices)
+    b = compile_step(arch, setup, first + period, lora, devices)
+    periods = (arch.num_layers - first) / period
     return {
-        "peak": peak,
-        "per_layer": per_period / period,
+        "peak": a["peak"] + periods * (b["peak"] - a["peak"]),
+        "flops": a["flops"] + periods * (b["flops"] - a["flops"]),
+        "per_layer": (b["peak"] - a["peak"]) / period,
         "seconds": a["seconds"] + b["seconds"],
         "platform": a["platform"],
-        "method": f"compiled {period} and {2 * period} layers, extrapolated to {arch.num_layers}",
+        "method": f"compiled {first} and {first + period} layers, extrapolated to {arch.num_layers}",
     }
+
+
+# ---------------------------------------------------------------- TPU topologies, compiled here
+# libtpu compiles for a TPU it does not have (compile-only devices). Off a TPU VM it must not ask
+# the metadata server (offline) and finds one worker; its lock guards a real TPU, which a
+# compile-only topology does not use, so another JAX process holding it does not matter.
+LIBTPU_OFFLINE = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+MEGACORE = ("v4", "v5p")  # JAX drives both TensorCores of a chip as one device
+
+
+def libtpu_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("libtpu") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def tpu_devices(topology: str, hosts: int = 1) -> tuple:
+    """The compile-only devices of a TPU topology (e.g. `v5e:2x4`): XLA:TPU compiles for them on any machine."""
+    if not libtpu_installed():
+        raise PlanError(f"compiling for the TPU topology {topology} needs libtpu: pip install -e '.[tpu]'")
+    generation, grid = topology.split(":")
+    dims = [int(x) for x in grid.split("x")]
+    # the accelerator libtpu would find on a TPU VM (it warns when it cannot tell); only read at its start
+    accelerator = {"v5e": "v5litepod", "v6e": "v6e"}.get(generation, generation)
+    cores = math.prod(dims) * (1 if generation in ("v5e", "v6e") else 2)
+    for key, value in {**LIBTPU_OFFLINE, "TPU_ACCELERATOR_TYPE": f"{accelerator}-{cores}"}.items():
+        os.environ.setdefault(key, value)
+    from jax.experimental import topologies
+
+    bounds = _host_bounds(dims + [1] * (3 - len(dims)), math.prod(dims) // hosts)
+    return tuple(
+        topologies.get_topology_desc(
+            topology,
+            platform="tpu",
+            chip_config_name="megacore" if generation in MEGACORE else "default",
+            chips_per_host_bounds=bounds,
+            num_slices=1,
+        ).devices
+    )
+
+
+def _host_bounds(dims: list[int], per_host: int) -> tuple[int, int, int]:
+    """One host's block of chips within the grid (a v5e-8 host: 2x4; a v4 host: 2x2x1)."""
+    for bounds in ((1, 1, 1), (2, 1, 1), (2, 2, 1), (2, 4, 1), (4, 4, 1), (2, 2, 2), (4, 4, 2)):
+        if math.prod(bounds) == per_host and all(d % b == 0 for d, b in zip(dims, bounds)):
+            return bounds
+    raise PlanError(f"cannot split a {'x'.join(map(str, dims))} TPU grid into hosts of {per_host} chips")
+
+
+def tpu_target(hw) -> tuple[str, tuple] | None:
+    """(name, devices) that XLA:TPU compiles the step for: the attached TPU's, or the profile's
+    topology's through libtpu; None when neither is at hand (the CPU check stands in)."""
+    import jax
+
+    if hw.kind != "tpu":
+        return None
+    if jax.default_backend() == "tpu" and jax.device_count() >= hw.devices:
+        return f"attached {jax.devices()[0].device_kind}", tuple(jax.devices()[: hw.devices])
+    if hw.topology and libtpu_installed():
+        return hw.topology, tpu_devices(hw.topology, hw.hosts)
+    return None
 
 
 # ---------------------------------------------------------------- out of process

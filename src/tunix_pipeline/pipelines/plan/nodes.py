@@ -5,7 +5,7 @@ import pandas as pd
 from tunix_pipeline.config import (
     ModelParams, PlanParams, PreferenceParams, RuntimeParams, SftParams, TokenizeParams,
 )
-from tunix_pipeline.planning import DoesNotFit, build_plan, check_against_xla, markdown, refusal
+from tunix_pipeline.planning import DoesNotFit, build_plan, markdown, refusal, with_xla_check
 from tunix_pipeline.planning.preference import add_preference
 from tunix_pipeline.planning.preference import check_against_xla as check_preference_against_xla
 
@@ -17,15 +17,15 @@ def plan_training(
     preference: PreferenceParams, sessions: dict,
 ) -> tuple[dict, str]:
     """The plan for every hardware profile (SFT, and the preference stage when this run or a later session of
-    `sessions.plan` turns it on), checked against XLA; printed, and returned as JSON and Markdown."""
-    result = add_preference(build_plan(model, sft, runtime, tokenize, plan), _planned_preference(preference, sessions),
-                            plan)
-    if plan.xla_check.enabled:
-        result.xla = check_against_xla(result, model, plan.xla_check.max_layers, plan.xla_check.timeout_seconds)
-        if result.preference:
-            result.preference["xla_check"] = check_preference_against_xla(
-                result, model, plan.xla_check.max_layers, plan.xla_check.timeout_seconds
-            )
+    `sessions.plan` turns it on), checked against XLA (on a TPU profile: compiled for its topology, and
+    resting on that); printed, and returned as JSON and Markdown."""
+    # the XLA check may rebuild the plan on the compiled figures: the preference stage is added after it
+    result = with_xla_check(build_plan(model, sft, runtime, tokenize, plan), model, plan)
+    result = add_preference(result, _planned_preference(preference, sessions), plan)
+    if plan.xla_check.enabled and result.preference:
+        result.preference["xla_check"] = check_preference_against_xla(
+            result, model, plan.xla_check.max_layers, plan.xla_check.timeout_seconds
+        )
     text = markdown(result)
     print(text)  # noqa: T201 - the table is this pipeline's output
     return result.summary(), text
@@ -62,11 +62,13 @@ def check_sft_fits(
         return base_model, {"status": "skipped"}
     seq_len = len(train_tokens["input_tokens"].iloc[0]) if len(train_tokens) else None
     result = build_plan(model, sft, runtime, tokenize, plan, base_model.get("path"), seq_len, len(train_tokens))
+    # on a TPU (attached, or a profile's topology with libtpu) the fit is XLA:TPU's compiled figure
+    result = with_xla_check(result, model, plan, tpu_only=True)
     if result.status == "over":
         raise DoesNotFit(refusal(result))
     for warning in result.warnings:
         log.warning("plan: %s", warning)
     log.info("plan: %s on %s: %.2f GiB of %.2f GiB per device, about %.1f h",
-             result.status, result.selected.profile, result.selected.memory.peak / 2**30,
+             result.status, result.selected.profile, result.selected.peak / 2**30,
              result.selected.usable_bytes / 2**30, result.selected.hours)
     return base_model, result.summary()

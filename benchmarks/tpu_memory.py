@@ -1,0 +1,70 @@
+"""The memory estimate against XLA:TPU's compiled train step, on this CPU (libtpu, no TPU): JSON lines.
+
+    python benchmarks/tpu_memory.py                 # Gemma-2B on a v5e-8: batch 1/2/4 x 512/1024, remat or not
+    python benchmarks/tpu_memory.py --recipes       # the TPU recipes' own steps (tpu_full, qwen05b_v5e8, v4_64_pod)
+
+Each line: the setup, XLA:TPU's peak bytes per chip (1 and 2 layers compiled, extrapolated;
+2 and 3 when a lone layer schedules differently), the estimate for the same step, their
+difference, and the compile time. The data to fit `planning.memory`'s accelerator coefficients
+to; each compile takes ~0.5-1 min of one core (Gemma-2B layers at these lengths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tunix_pipeline.config import ModelParams, TinyModelParams  # noqa: E402
+from tunix_pipeline.planning import TrainSetup, estimate_memory, from_hf_config, resolve, xla  # noqa: E402
+from tunix_pipeline.planning.memory import GIB  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cases(recipes: bool):
+    known = yaml.safe_load((ROOT / "conf" / "base" / "parameters_plan.yml").read_text())["plan"]["architectures"]
+    gemma = from_hf_config(known["google/gemma-2b"], "google/gemma-2b")
+    if not recipes:
+        for remat in ("none", "decoder"):
+            for length in (512, 1024):
+                for batch in (1, 2, 4):
+                    setup = TrainSetup(per_device_batch=batch, seq_len=length, fsdp=8, param_dtype="bfloat16", remat=remat)
+                    yield "gemma-2b", gemma, setup, "v5e:2x4", 1
+        return
+    # the recipes' steps as their plans set them up (conf/<recipe>/parameters.yml)
+    yield "tpu_full", gemma, TrainSetup(per_device_batch=4, seq_len=1024, fsdp=8, param_dtype="bfloat16",
+                                        remat="decoder", loss_chunk=256), "v5e:2x4", 1
+    qwen = from_hf_config(known["Qwen/Qwen2.5-0.5B"], "Qwen/Qwen2.5-0.5B")
+    yield "qwen05b_v5e8", qwen, TrainSetup(per_device_batch=4, seq_len=1000, fsdp=8, compute_dtype="bfloat16",
+                                           remat="decoder", grad_accum=2), "v5e:2x4", 1
+    pod = resolve(ModelParams(tiny=TinyModelParams(hidden_size=512, intermediate_size=1536, num_heads=8,
+                                                   num_kv_heads=8, head_dim=64)))
+    yield "v4_64_pod", pod, TrainSetup(per_device_batch=192, seq_len=97, fsdp=32, compute_dtype="bfloat16"), "v4:4x4x2", 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipes", action="store_true")
+    args = parser.parse_args()
+    for name, arch, setup, topology, hosts in cases(args.recipes):
+        started = time.perf_counter()
+        got = xla.xla_peak(arch, setup, 4, None, xla.tpu_devices(topology, hosts))
+        est = estimate_memory(arch, setup.replace(backend="tpu")).peak
+        print(json.dumps({
+            "model": name, "topology": topology, "per_device_batch": setup.per_device_batch, "seq_len": setup.seq_len,
+            "remat": setup.remat, "loss_chunk": setup.loss_chunk, "xla_tpu_gib": round(got["peak"] / GIB, 3),
+            "estimate_gib": round(est / GIB, 3), "difference": round((est - got["peak"]) / got["peak"], 4),
+            "xla_tflops_per_chip": round(got["flops"] / 1e12, 3), "method": got["method"],
+            "seconds": round(time.perf_counter() - started, 1),
+        }), flush=True)
+
+
+if __name__ == "__main__":
+    main()

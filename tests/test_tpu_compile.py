@@ -1,0 +1,87 @@
+"""The train step compiled by XLA:TPU for real TPU topologies, on this CPU (libtpu, no TPU).
+
+libtpu comes with the `test` extra. Its compile-only devices stand for the chips of each
+plan profile's `topology`; the plan then rests on the compiled step's memory and FLOPs,
+and the sft preflight stops a run XLA:TPU says cannot fit.
+"""
+
+import pandas as pd
+import pytest
+import yaml
+
+from tunix_pipeline.config import HardwareProfile, ModelParams, PlanParams, RuntimeParams, SftParams, TokenizeParams
+from tunix_pipeline.planning import DoesNotFit, build_plan, markdown, xla
+
+from .conftest import ROOT
+
+PLAN = PlanParams(**yaml.safe_load((ROOT / "conf" / "base" / "parameters_plan.yml").read_text())["plan"])
+# libtpu's names for the chips each generation's profiles stand for
+DEVICE_KINDS = {"v3": "TPU v3", "v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite"}
+
+
+def test_every_tpu_profile_has_a_topology_with_its_devices():
+    tpus = {name: hw for name, hw in PLAN.profiles.items() if hw.kind == "tpu"}
+    assert tpus and all(hw.topology for hw in tpus.values())
+    for name, hw in tpus.items():
+        devices = xla.tpu_devices(hw.topology, hw.hosts)
+        assert len(devices) == hw.devices, name
+        assert {d.platform for d in devices} == {"tpu"} and devices[0].device_kind == DEVICE_KINDS[hw.topology.split(":")[0]]
+        assert len({d.process_index for d in devices}) == hw.hosts, name  # v4-64: 8 workers of 4 chips
+    import jax
+
+    assert jax.default_backend() == "cpu"  # everything else still runs on the CPU
+
+
+def test_a_topology_must_match_the_profile():
+    with pytest.raises(ValueError, match="topology v5e:2x4 has 8 JAX devices, the profile says devices: 4"):
+        HardwareProfile(kind="tpu", devices=4, memory_gib=16, peak_tflops=197, topology="v5e:2x4")
+    with pytest.raises(ValueError, match="chip generation and chip grid as libtpu names them"):
+        HardwareProfile(kind="tpu", devices=8, memory_gib=16, peak_tflops=197, topology="v5litepod-8")
+
+
+def test_every_profile_carries_an_mfu_assumption_with_its_source():
+    for name, hw in PLAN.profiles.items():
+        assert hw.mfu and len(hw.mfu_source) > 20, name
+
+
+# ---------------------------------------------------------------- the plan and the sft preflight rest on it
+def _tiny_on(memory_gib, **sft):
+    profile = HardwareProfile(kind="tpu", devices=8, memory_gib=memory_gib, peak_tflops=197, topology="v5e:2x4",
+                              mfu=0.5, mfu_source="a test profile")
+    plan = PLAN.model_copy(update={"hardware": "chip", "profiles": {"chip": profile}})
+    sft = SftParams(**{"max_steps": 10, "per_device_batch_size": 2, "learning_rate": 1e-3, "checkpoint_every": 5, **sft})
+    return plan, sft
+
+
+def _preflight(plan, sft, length):
+    from tunix_pipeline.pipelines.plan.nodes import check_sft_fits
+
+    rows = pd.DataFrame({"input_tokens": [[1] * length] * 4})
+    return check_sft_fits({"path": "nowhere"}, rows, ModelParams(), sft, RuntimeParams(), TokenizeParams(max_length=length), plan)
+
+
+def test_the_sft_preflight_uses_xla_tpus_figure():
+    # the tiny model, 2 x 128 tokens per chip: the estimate says ~4.4 MiB, XLA:TPU ~0.6 MiB; a 2 MiB chip
+    plan, sft = _tiny_on(2 / 1024)
+    estimate = build_plan(ModelParams(), sft, RuntimeParams(), TokenizeParams(max_length=128), plan)
+    assert estimate.status == "over"
+    _, summary = _preflight(plan, sft, 128)
+    assert summary["status"] == "ok" and summary["memory_from"] == "XLA:TPU" and summary["flops_from"] == "XLA:TPU"
+    assert summary["memory_per_device_gib"] < summary["estimated_memory_per_device_gib"]
+    assert summary["xla_check"]["topology"] == "v5e:2x4" and summary["xla_check"]["platform"] == "tpu"
+
+
+def test_a_step_over_the_chips_memory_is_refused_by_xla_tpu_and_stops_sft():
+    # 256 x 4096 tokens per chip: XLA:TPU will not compile it for a 16 GiB v5e chip, and says what it needs
+    plan, sft = _tiny_on(16, per_device_batch_size=256)
+    with pytest.raises(DoesNotFit) as err:
+        _preflight(plan, sft, 4096)
+    message = str(err.value)
+    print(message)
+    assert "at least (XLA:TPU refuses to compile it for v5e:2x4)" in message and "It would fit with any of" in message
+    result = build_plan(ModelParams(), sft, RuntimeParams(), TokenizeParams(max_length=4096), plan)
+    from tunix_pipeline.planning import with_xla_check
+
+    checked = with_xla_check(result, ModelParams(), plan)
+    assert checked.status == "over" and checked.xla["out_of_memory"] and checked.xla["xla_gib"] > 16
+    assert "XLA:TPU refuses the train step for v5e:2x4" in markdown(checked)
