@@ -35,7 +35,7 @@ def evaluate_models(
     params: EvaluateParams,
     runtime: RuntimeParams,
 ):
-    """The same metrics for the base and the fine-tuned model: loss on every eval row, generation on a few."""
+    """The same metrics for the base and the fine-tuned model: loss on the eval rows, generation on a few."""
     curve = evaluation.training_curves(sft_result.get("loss_history"))
     evaluation.log_figure(curve, "loss_curve.png")
     if _empty_split(eval_tokens, eval_formatted):
@@ -88,4 +88,7 @@ def evaluate_after_grpo(
         results[label]["checkpoint_step"] = step
         samples.append(rows)
     report = "# Evaluation after GRPO\n\n" + evaluation.markdown_table(results, delta=("tuned", "grpo"))
+    if grpo_result.get("reward_trend"):
+        rewards = ", ".join(f"{h['reward']:.2f}" for h in grpo_result["history"] if h.get("reward") is not None)
+        report += f"\nGRPO's {grpo_result['reward_trend']['summary']} ({rewards}).\n"
     return results, pd.concat(samples, ignore_index=True), report, curve
