@@ -217,3 +217,20 @@ def test_evaluator_skips_and_counts_prompts_that_do_not_fit(tiny, tokenizer):
     assert skipped == 0 and len(held_out) == 3 and length >= max(evaluation.prompt_lengths(tokenizer, formatted["prompt"].tolist()))
     assert length == 1 << (length - 1).bit_length()  # a power of two
     np.testing.assert_array_equal(held_out["id"], ["q0", "q1", "q2"])
+
+
+def test_eval_loss_covers_the_first_loss_rows_only(tiny, tokenizer):
+    from tunix_pipeline.config import TokenizeParams
+    from tunix_pipeline.tokenization import tokenize_split
+    from tunix_pipeline.training import evaluate_loss
+
+    model, mesh = tiny
+    formatted = _formatted([str(i) for i in range(6)])
+    formatted["completion"] = [_gen(a) + "<end_of_turn>" for a in formatted["answer"]]
+    rows = tokenize_split(formatted, tokenizer, TokenizeParams(max_length=48))[0]
+    evaluator = evaluation.Evaluator(model, tokenizer, mesh, EvaluateParams(num_prompts=0, loss_rows=2), rows, formatted,
+                                     loss_batch_size=8)
+    metrics, _ = evaluator.measure("base")
+    first_two = evaluate_loss(model, rows.head(2), 8, mesh)
+    assert metrics["eval_tokens"] == first_two["tokens"] < evaluate_loss(model, rows, 8, mesh)["tokens"]
+    assert metrics["eval_loss"] == first_two["loss"]

@@ -153,6 +153,9 @@ def test_grpo_full_weights_trains_checkpoints_and_resumes(tiny_model_dir, tokeni
     resumed = grpo.train_grpo(model, tokenizer, formatted, _params(tmp_path, max_steps=3), mesh)
     assert (resumed["resumed_from_step"], resumed["latest_step"], resumed["steps_this_run"]) == (2, 3, 1)
     assert [h["step"] for h in resumed["history"]] == [1, 2, 3]
+    assert result["reward_trend"] is None  # 2 steps: too few to call a trend
+    trend, rewards = resumed["reward_trend"], [h["reward"] for h in resumed["history"]]
+    assert (trend["first_third"], trend["last_third"]) == (rewards[0], rewards[2])
     model, _ = load_model(tiny_model_dir, mesh, "float32")
     again = grpo.train_grpo(model, tokenizer, formatted, _params(tmp_path, max_steps=3), mesh)
     assert again["steps_this_run"] == 0 and len(again["history"]) == 3
@@ -172,6 +175,21 @@ def test_grpo_with_lora_trains_only_adapters_without_a_reference(tiny_model_dir,
     new_base, new_adapters = _weights(model), _weights(model, nnx.LoRAParam)
     assert all(np.array_equal(base[k], new_base[k]) for k in base if k not in adapters)
     assert any(not np.allclose(adapters[k], new_adapters[k]) for k in adapters)  # moved by ~lr, far past 1e-5
+
+
+def test_reward_trend_needs_a_rising_slope_and_a_higher_last_third():
+    def trend(*rewards):
+        return grpo.reward_trend([{"step": i + 1, "reward": r} for i, r in enumerate(rewards)])
+
+    rising = trend(1.0, 1.5, 1.2, 2.0, 1.8, 2.4)  # thirds of two steps: 1.25 -> 2.1
+    assert rising["rises"] and rising["slope_per_step"] == pytest.approx(0.248571, abs=1e-6)
+    assert (rising["first_third"], rising["last_third"]) == pytest.approx((1.25, 2.1))
+    assert "rises over 6 steps" in rising["summary"]
+    # a higher last third on a falling slope is no rise
+    dip = trend(2.0, 1.0, 0.2, 0.2, 2.5, 1.0)
+    assert dip["last_third"] > dip["first_third"] and dip["slope_per_step"] < 0 and not dip["rises"]
+    assert not trend(1.34, 0.75, 1.59, 1.44, 0.84)["rises"]  # the old recipe's five steps
+    assert trend(1.0, 2.0) is None
 
 
 def test_export_ships_grpo_only_when_it_ran_from_the_current_sft_checkpoint(caplog):

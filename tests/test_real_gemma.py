@@ -54,26 +54,26 @@ def test_real_gemma3_270m_from_pypi_trains_and_exports(tmp_path):
     assert planned == from_hf_config(read_hf_config(folder), params.source)
     assert (planned.num_layers, planned.hidden_size, planned.vocab_size) == (18, 640, 262144)
 
-    # two rows of the committed data in the recipe's format, one batch: the loss must fall step after step
+    # two rows of the recipe's committed data in its format, one batch: the loss must fall step after step
     records, _, _ = ingest(
-        IngestParams(sources=[{"name": "chat", "path": str(RAW / "arith_chat.jsonl"), "format": "messages"}], eval_fraction=0.1)
+        IngestParams(sources=[{"name": "times", "path": str(RAW / "times_gsm8k.jsonl"), "format": "gsm8k"}], eval_fraction=0.1)
     )
     mesh = make_mesh(RuntimeParams(mesh="auto"), devices=jax.devices()[:1])
     model, tokenizer = load_pretrained(folder, mesh)
-    rows, _ = tokenize_split(format_records(records.head(2), tokenizer, FormatParams()), tokenizer, TokenizeParams(max_length=112))
+    rows, _ = tokenize_split(format_records(records.head(2), tokenizer, FormatParams()), tokenizer, TokenizeParams(max_length=64))
     lora = LoraParams(rank=8, alpha=16)
     model = apply_lora(model, lora, mesh)
     sft = SftParams(max_steps=4, per_device_batch_size=2, learning_rate=1e-3, checkpoint_every=4,
                     checkpoint_dir=str(tmp_path / "ckpt"))
     result = train(model, rows, rows.head(0), sft, mesh)
-    # measured here: 2.8 -> 0.5 nats per completion token
+    # the loss per completion token must fall by more than 30 % in 4 steps on these 2 rows
     assert result["last_loss"] < 0.7 * result["first_loss"], result
     trained = time.perf_counter()
 
     out = export_pretrained(model, tmp_path / "export", tokenizer, lora_alpha=lora.alpha)
     reference = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert transformers.AutoTokenizer.from_pretrained(out)("2 + 3 =").input_ids == tokenizer("2 + 3 =").input_ids
-    prompt = np.asarray([rows["input_tokens"].iloc[0][:64]], np.int32)
+    prompt = np.asarray([rows["input_tokens"].iloc[0][:48]], np.int32)
     mask = np.ones_like(prompt)
     ours = compute_logits(model, prompt, mask)
     with torch.no_grad():

@@ -251,6 +251,9 @@ class HarnessParams(Strict):
 
 class EvaluateParams(Strict):
     num_prompts: int = Field(16, ge=0, description="held-out prompts to generate for")
+    # the eval loss's forward pass over every row (and a 262k-word output layer) can cost more than
+    # generating: a CPU run measures it on the first rows only
+    loss_rows: int | None = Field(None, gt=0, description="eval token rows the eval loss covers; null: all")
     max_new_tokens: int = Field(64, gt=0)
     # prompts longer than this (in tokens) are skipped and counted; null: room for the longest one
     max_prompt_length: int | None = Field(None, gt=0)

@@ -280,12 +280,13 @@ def markdown_table(metrics: dict[str, dict], delta: tuple[str, str] | None = Non
 
 # ---------------------------------------------------------------- the evaluator
 class Evaluator:
-    """Loss on every eval row and generation on the held-out prompts, for one model whose weights change."""
+    """Loss on the eval rows (`loss_rows` of them) and generation on the held-out prompts, for one model whose weights change."""
 
     def __init__(self, model, tokenizer, mesh, params: EvaluateParams, eval_tokens: pd.DataFrame,
                  eval_formatted: pd.DataFrame, loss_batch_size: int):
         self.model, self.tokenizer, self.mesh, self.params = model, tokenizer, mesh, params
-        self.eval_tokens, self.loss_batch_size = eval_tokens, loss_batch_size
+        self.eval_tokens = eval_tokens if params.loss_rows is None else eval_tokens.head(params.loss_rows)
+        self.loss_batch_size = loss_batch_size
         self.held_out, self.too_long, self.prompt_length = select_prompts(eval_formatted, tokenizer, params)
         self._generator: Generator | None = None
 

@@ -249,6 +249,9 @@ def train_grpo(
     save_history(root, history, HISTORY_FILE)
     barrier("grpo_end")  # multi-host: no process goes on before process 0 has written the history, as after SFT
     first, last = (history[0], history[-1]) if history else ({}, {})
+    trend = reward_trend(history)
+    if trend:
+        log.info("grpo: %s", trend["summary"])
     return {
         "enabled": True,
         "checkpoint_dir": str(root / "actor"),
@@ -264,9 +267,27 @@ def train_grpo(
         "completions_per_step": sequences,
         "first_reward": first.get("reward"),
         "last_reward": last.get("reward"),
+        "reward_trend": trend,
         "history": history,
         "train_seconds": seconds,
     }
+
+
+def reward_trend(history: list[dict]) -> dict | None:
+    """Does the mean reward rise over the steps? Both a positive least-squares slope and a last third
+    above the first third, so one lucky step at either end does not decide it. None under 3 steps."""
+    rewards = np.asarray([h["reward"] for h in history if h.get("reward") is not None], dtype=np.float64)
+    if len(rewards) < 3:
+        return None
+    third = len(rewards) // 3
+    slope = float(np.polyfit(np.arange(len(rewards)), rewards, 1)[0])
+    first, last = float(rewards[:third].mean()), float(rewards[-third:].mean())
+    rises = slope > 0 and last > first
+    summary = (
+        f"mean reward {'rises' if rises else 'does not rise'} over {len(rewards)} steps: slope {slope:+.3f} a step, "
+        f"first third {first:.3f}, last third {last:.3f}"
+    )
+    return {"slope_per_step": slope, "first_third": first, "last_third": last, "rises": rises, "summary": summary}
 
 
 def _new_history(logger, rewards: RewardSet, start_step: int, end_step: int, params: GrpoParams) -> list[dict]:

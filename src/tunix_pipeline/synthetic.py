@@ -4,6 +4,12 @@ It is what the offline `smoke` run and the tests train on. The same problems are
 written in three source formats (GSM8K-style JSONL, Alpaca-style CSV, chat
 `messages` JSONL) so that ingest exercises each reader and format.
 
+A second, easier set (`times_gsm8k.jsonl`, one-step multiplication with factors 2-10)
+is what the real-Gemma recipe (`conf/gemma3_270m_cpu`) trains on: google/gemma-3-270m
+knows its times tables (88 % right, few-shot and greedy: benchmarks/base_arithmetic.py) but
+not the two-digit sums and differences of the first set (38 % and 3 %), so fine-tuning can
+teach it the format and be judged on answers it can reach.
+
 Regenerate the committed files with `python -m tunix_pipeline.synthetic`.
 """
 
@@ -16,6 +22,7 @@ from pathlib import Path
 
 NAMES = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun"]
 ITEMS = ["apples", "books", "coins", "pens", "shells", "stamps", "marbles", "cards"]
+TIMES_ROWS = 600  # the recipe holds out ~140 of them (issue 19 needs >= 128 held-out prompts)
 
 
 def _problem(rng: random.Random) -> dict:
@@ -53,12 +60,30 @@ def _problem(rng: random.Random) -> dict:
     return {"question": question, "reasoning": reasoning, "answer": str(answer)}
 
 
-def generate(n: int = 400, seed: int = 0) -> list[dict]:
-    """`n` distinct problems, always the same for the same seed."""
+def _times_problem(rng: random.Random) -> dict:
+    """One multiplication word problem with factors 2-10: a single step from the question to the answer."""
+    name = rng.choice(NAMES)
+    item = rng.choice(ITEMS)
+    groups, each = rng.randint(2, 10), rng.randint(2, 10)
+    container = rng.choice(["boxes", "bags", "jars", "rows"])
+    question = (
+        f"{name} has {groups} {container} of {item} with {each} {item} in each. "
+        f"How many {item} does {name} have?"
+    )
+    answer = groups * each
+    return {"question": question, "reasoning": f"{groups} * {each} = {answer}.", "answer": str(answer)}
+
+
+LEVELS = {"two_step": _problem, "times": _times_problem}
+
+
+def generate(n: int = 400, seed: int = 0, level: str = "two_step") -> list[dict]:
+    """`n` distinct problems of `level` (two_step | times), always the same for the same seed."""
+    make = LEVELS[level]
     rng = random.Random(seed)
     problems, seen = [], set()
     while len(problems) < n:
-        p = _problem(rng)
+        p = make(rng)
         if p["question"] not in seen:
             seen.add(p["question"])
             problems.append(p)
@@ -104,6 +129,17 @@ def write_raw_files(out_dir: str | Path, n: int = 400, seed: int = 0) -> list[Pa
     return [gsm_path, alpaca_path, chat_path]
 
 
+def write_times_file(out_dir: str | Path, n: int = TIMES_ROWS, seed: int = 0) -> Path:
+    """The one-step multiplication set as one GSM8K-style file (reasoning, then `#### answer`)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "times_gsm8k.jsonl"
+    with path.open("w") as f:
+        for p in generate(n, seed, level="times"):
+            f.write(json.dumps({"question": p["question"], "answer": f"{p['reasoning']}\n#### {p['answer']}"}) + "\n")
+    return path
+
+
 if __name__ == "__main__":
-    for path in write_raw_files(Path("data/01_raw")):
+    for path in [*write_raw_files(Path("data/01_raw")), write_times_file(Path("data/01_raw"))]:
         print(path)

@@ -54,7 +54,7 @@ def evaluate_models(
     params: EvaluateParams,
     runtime: RuntimeParams,
 ):
-    """The same metrics for the base and the fine-tuned model: loss on every eval row, generation on a few."""
+    """The same metrics for the base and the fine-tuned model: loss on the eval rows, generation on a few."""
     curve = evaluation.training_curves(sft_result.get("loss_history"))
     evaluation.log_figure(curve, "loss_curve.png")
     if _empty_split(eval_tokens, eval_formatted):
@@ -147,5 +147,8 @@ def _after_stage(stage, title, eval_tokens, eval_formatted, base_model, sft_resu
         results[stage]["heldout_pair_accuracy"] = result["heldout_pair_accuracy"]
         results["tuned"]["heldout_pair_accuracy"] = result["heldout_pair_accuracy_before"]
     report = f"# Evaluation after {title}\n\n" + evaluation.markdown_table(results, delta=("tuned", stage))
+    if result.get("reward_trend"):
+        rewards = ", ".join(f"{h['reward']:.2f}" for h in result["history"] if h.get("reward") is not None)
+        report += f"\nGRPO's {result['reward_trend']['summary']} ({rewards}).\n"
     report = _with_harness(results, report, harness_results, ("tuned", stage))
     return results, pd.concat(samples, ignore_index=True), report
