@@ -78,7 +78,7 @@ def test_sft_checkpoints_resume_restore_and_export_through_gs(bucket, tiny_model
     (bucket / "run" / "exported").mkdir(parents=True)
     (bucket / "run" / "exported" / "model-00001-of-00009.safetensors").write_bytes(b"an older export")
     out = export_model({"path": str(tiny_model_dir)}, {"checkpoint_dir": uri, "latest_step": 3}, {"enabled": False},
-                       ModelParams(source=str(tiny_model_dir)), ExportParams(output_dir="gs://bucket/run/exported"),
+                       {"enabled": False}, ModelParams(source=str(tiny_model_dir)), ExportParams(output_dir="gs://bucket/run/exported"),
                        RuntimeParams(mesh={"fsdp": 4, "tp": 2}), FormatParams())
     assert out["path"] == "gs://bucket/run/exported" and out["checkpoint_step"] == 3
     assert not (bucket / "run" / "exported" / "model-00001-of-00009.safetensors").exists()
