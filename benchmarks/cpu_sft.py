@@ -179,6 +179,7 @@ def worker_tunix_default(args) -> dict:
     from tunix.sft import metrics_logger, peft_trainer
 
     from tunix_pipeline import training
+    from tunix_pipeline.optim import make_optimizer
     from tunix_pipeline.config import ModelParams
     from tunix_pipeline.models import load_run_model
 
@@ -202,11 +203,11 @@ def worker_tunix_default(args) -> dict:
         with mesh:
             if args.with_cpu_options:  # ablation: Tunix's trainer with our compile options
                 trainer = training.trainer_class()(
-                    model, training.make_optimizer(sft), config, metrics_logger=metrics_logger.MetricsLogger(options)
+                    model, make_optimizer(sft.optim), config, metrics_logger=metrics_logger.MetricsLogger(options)
                 )
             else:
                 trainer = peft_trainer.PeftTrainer(
-                    model, training.make_optimizer(sft), config, metrics_logger=metrics_logger.MetricsLogger(options)
+                    model, make_optimizer(sft.optim), config, metrics_logger=metrics_logger.MetricsLogger(options)
                 )
             trainer.with_gen_model_input_fn(tunix_model_input_fn())
             # the same step-time hook as ours, so both are measured the same way
@@ -235,6 +236,7 @@ def worker_torch(args) -> dict:
     from transformers import GemmaForCausalLM
 
     from tunix_pipeline import training
+    from tunix_pipeline.optim import learning_rate_schedule
 
     torch.manual_seed(0)
     threads = torch.get_num_threads()
@@ -249,7 +251,7 @@ def worker_torch(args) -> dict:
         lr=sft.learning_rate,
     )
     # the pipeline's warm-up and decay, step by step (optax's schedule, evaluated on the host)
-    schedule = training.learning_rate_schedule(sft)
+    schedule = learning_rate_schedule(sft.optim)
     lr_at = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: float(schedule(s)) / sft.learning_rate)
     feed = training.BatchFeed(_rows(args), args.batch, sft.seed)
     params = sum(p.numel() for p in model.parameters())

@@ -124,6 +124,7 @@ def worker(args) -> dict:
 
     from benchmarks.cpu_sft import _Recorder, _series, _sft_params, tunix_model_input_fn
     from tunix_pipeline import training
+    from tunix_pipeline.optim import make_optimizer
     from tunix_pipeline.config import RuntimeParams
 
     spec = GEMMA_2B if args.size == "2b" else common.GEMMA_TINY
@@ -152,7 +153,7 @@ def worker(args) -> dict:
             )
             with mesh:
                 trainer = peft_trainer.PeftTrainer(
-                    model, training.make_optimizer(sft), config, metrics_logger=metrics_logger.MetricsLogger(options)
+                    model, make_optimizer(sft.optim), config, metrics_logger=metrics_logger.MetricsLogger(options)
                 )
                 trainer.with_gen_model_input_fn(tunix_model_input_fn())
                 trainer.with_training_hooks(training._throughput_hooks(args.batch * args.seq, flops, None, 1))

@@ -203,3 +203,24 @@ def test_export_ships_grpo_only_when_it_ran_from_the_current_sft_checkpoint(capl
     # SFT trained on after GRPO ran: the GRPO policy is stale, ship SFT and say so
     assert final_checkpoint({**sft, "latest_step": 210}, ran) == ("sft", "/c/sft")
     assert "grpo_result is from SFT step 200" in caplog.text
+
+
+def test_grpo_weight_decay_reaches_matrices_only(tiny_model_dir, tmp_path):
+    """GRPO builds the SFT optimizer: with weight_decay > 0 a zero gradient moves matrices, never norms."""
+    from tunix_pipeline.models import load_model
+    from tunix_pipeline.optim import make_optimizer
+
+    model, _ = load_model(tiny_model_dir, None)
+    # every weight away from 0, so decay would move any leaf it reached (Gemma's norm scales start at 0)
+    params = jax.tree.map(lambda p: p + 1.0, nnx.state(model, nnx.Param))
+    tx = make_optimizer(_params(tmp_path, weight_decay=0.1, learning_rate=1e-2).optim)
+    updates, _ = tx.update(jax.tree.map(np.zeros_like, params), tx.init(params), params)
+    moved = {
+        jax.tree_util.keystr(path): (leaf.ndim, float(np.abs(leaf).max()))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(updates)
+    }
+    vectors = {k: m for k, (ndim, m) in moved.items() if ndim < 2}
+    matrices = {k: m for k, (ndim, m) in moved.items() if ndim >= 2}
+    assert vectors and matrices
+    assert all(m == 0 for m in vectors.values()), vectors
+    assert all(m > 0 for m in matrices.values()), matrices

@@ -14,6 +14,7 @@ from flax import nnx
 
 from tunix_pipeline.config import RuntimeParams, SftParams, TokenizeParams
 from tunix_pipeline.models import compute_logits, load_model
+from tunix_pipeline.optim import make_optimizer
 from tunix_pipeline.tokenization import token_arrays, tokenize_split
 from tunix_pipeline.training import (
     BatchFeed,
@@ -22,7 +23,6 @@ from tunix_pipeline.training import (
     evaluate_loss,
     global_batch_size,
     make_mesh,
-    make_optimizer,
     model_inputs,
     process_rows,
     restore_latest,
@@ -198,7 +198,7 @@ def test_remat_changes_memory_not_results(tiny_model_dir, token_rows, remat):
 
 def test_weight_decay_skips_norms(tmp_path):
     params = {"kernel": jnp.ones((4, 4)), "scale": jnp.ones((4,))}
-    tx = make_optimizer(_sft(tmp_path, weight_decay=0.5, warmup_steps=0, schedule="constant", max_grad_norm=None))
+    tx = make_optimizer(_sft(tmp_path, weight_decay=0.5, warmup_steps=0, schedule="constant", max_grad_norm=None).optim)
     zeros = jax.tree.map(jnp.zeros_like, params)
     updates, _ = tx.update(zeros, tx.init(params), params)
     assert float(jnp.abs(updates["kernel"]).max()) > 0 and float(jnp.abs(updates["scale"]).max()) == 0

@@ -152,6 +152,22 @@ class RuntimeParams(Strict):
     peak_flops_per_device: float | None = Field(None, gt=0)
 
 
+class OptimizerParams(Strict):
+    """The optimizer and its learning-rate schedule, as every training stage builds it (`optim.make_optimizer`).
+
+    Not a config section of its own: each stage's `optim` property gathers it from that stage's keys.
+    """
+
+    optimizer: Literal["adamw", "adafactor"] = "adamw"
+    learning_rate: float = Field(gt=0)
+    max_steps: int = Field(gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    # decoupled weight decay on matrices only (not norms or biases)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+
+
 class SftParams(Strict):
     # 0 only with init_from: no training this session, the parent checkpoint passes on (e.g. to GRPO);
     # null with `epochs`: the steps follow from the training rows
@@ -224,6 +240,15 @@ class SftParams(Strict):
                 f"not more than warmup_steps ({self.warmup_steps}); lower sft.warmup_steps"
             )
         return self.model_copy(update={"max_steps": steps})
+
+    @property
+    def optim(self) -> OptimizerParams:
+        """The optimizer settings (`max_steps` must be known: see `steps_for`)."""
+        return OptimizerParams(
+            optimizer=self.optimizer, learning_rate=self.learning_rate, max_steps=self.max_steps,
+            warmup_steps=self.warmup_steps, schedule=self.schedule, weight_decay=self.weight_decay,
+            max_grad_norm=self.max_grad_norm,
+        )
 
 
 class HarnessParams(Strict):
@@ -333,6 +358,15 @@ class GrpoParams(Strict):
         if len(set(names)) != len(names):
             raise ValueError(f"reward names must be unique (set `name:`), got {names}")
         return self
+
+    @property
+    def optim(self) -> OptimizerParams:
+        """AdamW; with warmup, cosine decay to 10% of the peak over max_steps, else a constant rate."""
+        return OptimizerParams(
+            learning_rate=self.learning_rate, max_steps=self.max_steps, warmup_steps=self.warmup_steps,
+            schedule="cosine" if self.warmup_steps else "constant", weight_decay=self.weight_decay,
+            max_grad_norm=self.max_grad_norm,
+        )
 
 
 class PairsFromRewardsParams(Strict):

@@ -21,12 +21,12 @@ import time
 
 import jax
 import numpy as np
-import optax
 import pandas as pd
 
 from tunix_pipeline import tracking
 from tunix_pipeline.config import GrpoParams
 from tunix_pipeline.errors import UserError
+from tunix_pipeline.optim import make_optimizer
 from tunix_pipeline.paths import storage_path
 from tunix_pipeline.rewards import RewardSet
 from tunix_pipeline.runtime import barrier
@@ -88,14 +88,6 @@ class PromptFeed:
 
 
 # ---------------------------------------------------------------- Tunix pieces
-def make_optimizer(params: GrpoParams) -> optax.GradientTransformation:
-    lr = optax.warmup_cosine_decay_schedule(
-        0.0, params.learning_rate, params.warmup_steps, params.max_steps, 0.1 * params.learning_rate
-    ) if params.warmup_steps else params.learning_rate
-    core = optax.adamw(lr, weight_decay=params.weight_decay)
-    return optax.chain(optax.clip_by_global_norm(params.max_grad_norm), core) if params.max_grad_norm else core
-
-
 def algorithm(params: GrpoParams):
     """(Tunix algorithm config, learner class) for `grpo.loss_variant`."""
     from tunix.rl.grpo import dapo_learner, drgrpo_learner, grpo_learner
@@ -206,7 +198,7 @@ def train_grpo(
         rollout_engine="vanilla",
         offload_to_cpu=False,
         training_config=rl_cluster_lib.RLTrainingConfig(
-            actor_optimizer=make_optimizer(params),
+            actor_optimizer=make_optimizer(params.optim),
             eval_every_n_steps=params.max_steps + 1,
             max_steps=params.max_steps,
             checkpoint_root_directory=str(root),

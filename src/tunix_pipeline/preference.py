@@ -28,6 +28,7 @@ from flax import nnx
 
 from tunix_pipeline.config import PreferenceParams
 from tunix_pipeline.errors import UserError
+from tunix_pipeline.optim import make_optimizer
 
 log = logging.getLogger(__name__)
 METRICS_PREFIX = "preference"
@@ -374,7 +375,7 @@ def train_preference(
     flops = tokens * training.train_flops_per_token(model, seq_len)
     with scalar_listeners_scope(), mesh:
         trainer = training.restored_trainer(
-            lambda: _trainer_class()(model, reference, training.make_optimizer(sft), config), ckpt_dir
+            lambda: _trainer_class()(model, reference, make_optimizer(sft.optim), config), ckpt_dir
         )
         trainer.with_loss_fn(loss_fn_for(params), has_aux=True)
         trainer.with_gen_model_input_fn(lambda example: {"train_example": example})

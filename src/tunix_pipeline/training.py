@@ -34,6 +34,7 @@ from flax import nnx
 from tunix_pipeline.config import RuntimeParams, SftParams
 from tunix_pipeline.errors import UserError
 from tunix_pipeline.models.errors import ModelError
+from tunix_pipeline.optim import make_optimizer
 from tunix_pipeline.paths import storage_path
 from tunix_pipeline.runtime import barrier as _sync
 from tunix_pipeline.tokenization import token_arrays
@@ -285,38 +286,6 @@ def evaluate_loss(model, rows: pd.DataFrame, batch_size: int, mesh) -> dict:
     return {"loss": loss, "perplexity": float(np.exp(loss)), "tokens": int(count)}
 
 
-# ---------------------------------------------------------------- optimizer
-def learning_rate_schedule(sft: SftParams) -> optax.Schedule:
-    warmup = optax.linear_schedule(0.0, sft.learning_rate, sft.warmup_steps)
-    rest = sft.max_steps - sft.warmup_steps
-    if sft.schedule == "cosine":
-        after = optax.cosine_decay_schedule(sft.learning_rate, rest, alpha=0.1)
-    elif sft.schedule == "linear":
-        after = optax.linear_schedule(sft.learning_rate, 0.0, rest)
-    else:
-        after = optax.constant_schedule(sft.learning_rate)
-    return optax.join_schedules([warmup, after], [sft.warmup_steps]) if sft.warmup_steps else after
-
-
-def decay_mask(params):
-    """Weight decay on matrices only: not on norms, biases or other vectors."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
-
-
-def make_optimizer(sft: SftParams) -> optax.GradientTransformation:
-    def build(learning_rate):
-        if sft.optimizer == "adamw":
-            core = optax.adamw(learning_rate, weight_decay=sft.weight_decay, mask=decay_mask)
-        else:
-            core = optax.adafactor(learning_rate, weight_decay_rate=sft.weight_decay or None, weight_decay_mask=decay_mask)
-        if sft.max_grad_norm is None:
-            return core
-        return optax.chain(optax.clip_by_global_norm(sft.max_grad_norm), core)
-
-    # inject_hyperparams lets Tunix read and log the learning rate every step
-    return optax.inject_hyperparams(build)(learning_rate=learning_rate_schedule(sft))
-
-
 # ---------------------------------------------------------------- metrics
 def train_flops_per_token(model, seq_len: int) -> float:
     """Training FLOPs per token: 6 x parameters (forward + backward) + attention, as MaxText counts them."""
@@ -476,7 +445,7 @@ def _trainer(model, sft: SftParams, mesh, options, ckpt_dir: epath.Path):
         pbar_description="sft",
     )
     return restored_trainer(
-        lambda: trainer_class()(model, make_optimizer(sft), config, metrics_logger=metrics_logger.MetricsLogger(options)),
+        lambda: trainer_class()(model, make_optimizer(sft.optim), config, metrics_logger=metrics_logger.MetricsLogger(options)),
         ckpt_dir,
     )
 

@@ -127,7 +127,8 @@ def compile_step(arch: Architecture, setup: TrainSetup, layers: int | None = Non
 
     from tunix_pipeline.config import RuntimeParams
     from tunix_pipeline.tokenization import TOKEN_COLUMNS
-    from tunix_pipeline.training import BATCH_AXES, loss_fn_for, make_mesh, make_optimizer, model_inputs
+    from tunix_pipeline.optim import make_optimizer
+    from tunix_pipeline.training import BATCH_AXES, loss_fn_for, make_mesh, model_inputs
 
     layers = layers or arch.num_layers
     family, cfg = _tunix_config(arch, layers, setup.remat)
@@ -136,7 +137,7 @@ def compile_step(arch: Architecture, setup: TrainSetup, layers: int | None = Non
         raise PlanError(f"the XLA check needs {setup.devices} devices; JAX sees {len(devices)}")
     mesh = make_mesh(RuntimeParams(mesh=setup.mesh), list(devices)[: setup.devices])
     sft = sft_params(setup)
-    tx = make_optimizer(sft)
+    tx = make_optimizer(sft.optim)
     if setup.grad_accum > 1:
         tx = optax.MultiSteps(tx, setup.grad_accum)  # as PeftTrainer wraps it
     loss_fn = loss_fn_for(sft)
