@@ -204,6 +204,44 @@ def test_weight_decay_skips_norms(tmp_path):
     assert float(jnp.abs(updates["kernel"]).max()) > 0 and float(jnp.abs(updates["scale"]).max()) == 0
 
 
+@pytest.mark.parametrize("lora, remat", [(True, "none"), (False, "decoder")])
+def test_logged_mfu_is_the_plans_mfu_without_a_hand_set_peak(tiny_model_dir, token_rows, tmp_path, lora, remat):
+    """`train/mfu` = the plan's FLOPs of a step (LoRA: 2 passes, remat: one more) / step time / the profile's peak."""
+    import yaml
+
+    from tunix_pipeline.config import LoraParams, ModelParams, PlanParams
+    from tunix_pipeline.models import load_run_model
+    from tunix_pipeline.planning import peak_flops_per_device
+    from tunix_pipeline.planning.architecture import resolve
+    from tunix_pipeline.planning.plan import make_job
+
+    plan = PlanParams(**yaml.safe_load((ROOT / "conf" / "base" / "parameters_plan.yml").read_text())["plan"])
+    peak = peak_flops_per_device(plan, MESH)  # runtime.peak_flops_per_device unset: the cpu profile's
+    assert peak == plan.profiles["cpu"].peak_tflops * 1e12
+    model_params = ModelParams(source=str(tiny_model_dir), lora=LoraParams(rank=4, alpha=8.0) if lora else None)
+    sft = _sft(tmp_path, max_steps=3, remat=remat)
+    mesh = make_mesh(MESH)
+    model, _ = load_run_model(tiny_model_dir, model_params, mesh, remat=remat)
+    logged: dict[str, dict[int, float]] = {}
+
+    def listen(name, value, step=None, **_):
+        logged.setdefault(name.rsplit("/", 1)[-1], {})[step] = float(value)
+
+    jax.monitoring.register_scalar_listener(listen)
+    try:
+        train(model, token_rows, token_rows.head(0), sft, mesh, metrics_backends=None, peak_flops_per_device=peak)
+    finally:
+        jax.monitoring.unregister_scalar_listener(listen)
+    seq_len = len(token_rows["input_tokens"].iloc[0])
+    job = make_job(resolve(model_params), model_params, sft, MESH, seq_len, devices=8)  # from config.json
+    assert job.mode == ("lora" if lora else "full") and job.remat == remat
+    plan_flops = job.flops_per_step(job.global_batch, job.remat)
+    assert logged["mfu"] and set(logged["mfu"]) == set(logged["step_time"])
+    for step, mfu in logged["mfu"].items():
+        # the same float64 operations in another order: a few roundings apart
+        assert mfu == pytest.approx(plan_flops / logged["step_time"][step] / (peak * 8), rel=1e-12)
+
+
 def test_eval_loss_does_not_depend_on_batch_padding(tiny_model_dir, token_rows):
     mesh = make_mesh(MESH)
     model, _ = load_model(tiny_model_dir, mesh)

@@ -148,7 +148,7 @@ class RuntimeParams(Strict):
     # multi-host: how long a process looks for the file process 0 wrote in each checkpoint folder before
     # the run stops, saying the folder is not shared (a shared filesystem may show new files late)
     shared_folder_timeout_s: float = Field(20.0, gt=0)
-    # the accelerator's peak bf16 FLOP/s per device, for MFU; null: MFU is not logged
+    # the accelerator's peak bf16 FLOP/s per device, for MFU; null: the plan's hardware profile's peak
     peak_flops_per_device: float | None = Field(None, gt=0)
 
 

@@ -287,11 +287,14 @@ def evaluate_loss(model, rows: pd.DataFrame, batch_size: int, mesh) -> dict:
 
 
 # ---------------------------------------------------------------- metrics
-def train_flops_per_token(model, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x parameters (forward + backward) + attention, as MaxText counts them."""
-    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    cfg = model.config
-    return 6.0 * params + 12.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+def train_flops_per_token(model, seq_len: int, remat: str = "none") -> float:
+    """The plan's count (`Architecture.train_flops_per_token`) for this loaded model: LoRA, remat, attention."""
+    from tunix.sft import utils as sft_utils
+
+    from tunix_pipeline.planning.architecture import from_tunix_config
+
+    mode = "lora" if sft_utils.is_lora_enabled(model) else "full"
+    return from_tunix_config(model.config).train_flops_per_token(seq_len, mode, remat)
 
 
 def _throughput_hooks(tokens_per_step: int, flops_per_step: float, peak_flops: float | None, devices: int):
@@ -490,7 +493,7 @@ def train(
         feed.with_eval(eval_batches(eval_rows, batch_size, local))
     if sft.time_budget_hours:
         feed.with_deadline(_process_start() + sft.time_budget_hours * 3600, save_seconds=_save_seconds_guess(model))
-    flops_per_step = batch_size * seq_len * train_flops_per_token(model, seq_len)
+    flops_per_step = batch_size * seq_len * train_flops_per_token(model, seq_len, sft.remat)
 
     from tunix_pipeline.tracking import scalar_listeners_scope
 

@@ -46,6 +46,15 @@ def selected_hardware(plan: PlanParams, runtime: RuntimeParams | None = None):
     return plan.hardware, plan.profiles[plan.hardware]
 
 
+def peak_flops_per_device(plan: PlanParams, runtime: RuntimeParams) -> float | None:
+    """FLOP/s per device for the logged MFU: `runtime.peak_flops_per_device`, else the selected hardware
+    profile's peak; None on devices no profile knows (the plan's stand-in peak is no figure to divide by)."""
+    if runtime.peak_flops_per_device:
+        return runtime.peak_flops_per_device
+    name, hw = selected_hardware(plan, runtime)
+    return hw.peak_tflops * 1e12 if name in plan.profiles else None
+
+
 def build_plan(
     model: ModelParams,
     sft: SftParams,

@@ -165,6 +165,25 @@ def from_hf_config(hf: dict, name: str = "") -> Architecture:
         raise PlanError(f"config.json of {name or 'the model'} lacks {err}; cannot plan it") from err
 
 
+def from_tunix_config(cfg, name: str = "") -> Architecture:
+    """The architecture of a loaded Tunix model (`model.config`), as far as FLOPs and matrices go.
+
+    Every Tunix family names these fields alike; the vocabulary is `num_embed` (Gemma) or `vocab_size`.
+    """
+    return Architecture(
+        name=name or type(cfg).__module__,
+        model_type="tunix",
+        num_layers=cfg.num_layers,
+        vocab_size=getattr(cfg, "num_embed", None) or cfg.vocab_size,
+        hidden_size=cfg.embed_dim,
+        intermediate_size=cfg.hidden_dim,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        tied_embeddings=True,
+    )
+
+
 def _period(pattern: list) -> int:
     for p in range(1, len(pattern) + 1):
         if all(pattern[i] == pattern[i % p] for i in range(len(pattern))):

@@ -5,10 +5,13 @@ import mlflow
 import pandas as pd
 
 from tunix_pipeline import preference as pref
-from tunix_pipeline.config import FormatParams, GrpoParams, ModelParams, PreferenceParams, RuntimeParams, TrackingParams
+from tunix_pipeline.config import (
+    FormatParams, GrpoParams, ModelParams, PlanParams, PreferenceParams, RuntimeParams, TrackingParams,
+)
 from tunix_pipeline.formatting import format_records
 from tunix_pipeline.ingest import ingest
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
+from tunix_pipeline.planning import peak_flops_per_device
 from tunix_pipeline.rewards import RewardSet
 from tunix_pipeline.tracking import metrics_backends
 from tunix_pipeline.training import make_mesh, restore_required
@@ -69,6 +72,7 @@ def run_preference(
     params: PreferenceParams,
     runtime: RuntimeParams,
     tracking: TrackingParams,
+    plan: PlanParams,
 ) -> dict:
     """DPO / ORPO / SimPO from the latest SFT checkpoint; off (`preference.enabled: false`): SFT's passes through.
 
@@ -85,7 +89,7 @@ def run_preference(
     step = restore_required(network, sft_result["checkpoint_dir"], "sft", "preference")
     backends = metrics_backends(tracking, runtime.output_root, "preference")
     result = pref.train_preference(network, train_tokens, eval_tokens, params, mesh, backends,
-                                   runtime.peak_flops_per_device)
+                                   peak_flops_per_device(plan, runtime))
     if mlflow.active_run() is not None and jax.process_index() == 0:  # held-out pair accuracy: SFT's, then the policy's
         client, run_id = mlflow.MlflowClient(), mlflow.active_run().info.run_id
         for at, key in ((0, "heldout_pair_accuracy_before"), (result["latest_step"], "heldout_pair_accuracy")):

@@ -22,7 +22,7 @@ def create_pipeline(**kwargs) -> Pipeline:
                 run_preference,
                 inputs=[
                     "preference_train_pairs", "preference_eval_pairs", "base_model", "sft_result", "params:model",
-                    "params:preference", "params:runtime", "params:tracking",
+                    "params:preference", "params:runtime", "params:tracking", "params:plan",
                 ],
                 outputs="preference_result",
                 name="run_preference",

@@ -2,8 +2,9 @@ import jax
 import mlflow
 import pandas as pd
 
-from tunix_pipeline.config import ModelParams, RuntimeParams, SftParams, TrackingParams
+from tunix_pipeline.config import ModelParams, PlanParams, RuntimeParams, SftParams, TrackingParams
 from tunix_pipeline.models import load_run_model, parameter_counts
+from tunix_pipeline.planning import peak_flops_per_device
 from tunix_pipeline.tracking import MlflowBackend, metrics_backends, mlflow_name, remember_run
 from tunix_pipeline.training import global_batch_size, make_mesh, start_from, train
 
@@ -16,6 +17,7 @@ def train_sft(
     sft: SftParams,
     runtime: RuntimeParams,
     tracking: TrackingParams,
+    plan: PlanParams,
 ) -> dict:
     mesh = make_mesh(runtime)
     network, _ = load_run_model(base_model["path"], model, mesh, remat=sft.remat)
@@ -42,7 +44,7 @@ def train_sft(
         remember_run(sft.checkpoint_dir)
     result = train(
         network, train_tokens, eval_tokens, sft, mesh,
-        metrics_backends(tracking, runtime.output_root, "sft"), runtime.peak_flops_per_device,
+        metrics_backends(tracking, runtime.output_root, "sft"), peak_flops_per_device(plan, runtime),
     )
     if live:
         MlflowBackend().fill_gaps("train/loss", result["loss_history"])

@@ -23,7 +23,7 @@ def create_pipeline(**kwargs) -> Pipeline:
                 train_sft,
                 inputs=[
                     "train_tokens", "eval_tokens", "planned_base_model", "params:model", "params:sft",
-                    "params:runtime", "params:tracking",
+                    "params:runtime", "params:tracking", "params:plan",
                 ],
                 outputs="sft_result",
                 name="train_sft",
