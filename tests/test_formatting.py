@@ -1,7 +1,8 @@
 import pandas as pd
 
 from tunix_pipeline.config import FormatParams
-from tunix_pipeline.formatting import extract_answer, format_records, gemma_turns, is_well_formed, render_prompt
+from tunix_pipeline.answers import extract_answer, well_formed
+from tunix_pipeline.formatting import format_records, gemma_turns, render_prompt
 
 # The chat template that google/gemma-2b-it ships in tokenizer_config.json.
 GEMMA_IT_TEMPLATE = (
@@ -56,6 +57,8 @@ def test_records_become_prompt_and_completion(tokenizer):
 def test_answer_extraction_and_format_compliance():
     assert extract_answer("<reasoning>x</reasoning><answer> 42 </answer>") == "42"
     assert extract_answer("no tags") is None
-    assert is_well_formed("<reasoning>x</reasoning>\n<answer>42</answer>")
-    assert not is_well_formed("<reasoning>x</reasoning>")
-    assert not is_well_formed("<reasoning>x</reasoning><answer>42</answer> trailing")
+    assert well_formed("<reasoning>x</reasoning>\n<answer>42</answer>")
+    assert not well_formed("<reasoning>x</reasoning>")
+    assert not well_formed("<reasoning>x</reasoning><answer>42</answer> trailing")
+    assert not well_formed("<reasoning></reasoning><answer>42</answer>")  # an empty part
+    assert not well_formed("<reasoning>x</reasoning><answer>4</answer><answer>2</answer>")  # a tag twice

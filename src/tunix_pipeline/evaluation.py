@@ -24,8 +24,7 @@ import numpy as np
 import pandas as pd
 
 from tunix_pipeline.config import EvaluateParams
-from tunix_pipeline.formatting import GEMMA_END_OF_TURN, extract_answer
-from tunix_pipeline.rewards import exactly_formatted
+from tunix_pipeline.answers import GEMMA_END_OF_TURN, answers_match, clean, extract_answer, normal, well_formed
 
 log = logging.getLogger(__name__)
 
@@ -36,31 +35,13 @@ SAMPLE_COLUMNS = [
 
 
 # ---------------------------------------------------------------- answers
-def _normal(text: str) -> str:
-    return text.strip().replace(",", "")
-
-
 def exact_match(predicted: str | None, reference: str) -> bool:
-    return predicted is not None and _normal(predicted) == _normal(str(reference))
-
-
-def answers_match(predicted: str | None, reference: str, tolerance: float) -> bool:
-    """Exact match after trimming, or numeric equality within `tolerance`."""
-    if predicted is None:
-        return False
-    a, b = _normal(predicted), _normal(str(reference))
-    if a == b:
-        return True
-    try:
-        x, y = float(a), float(b)
-    except ValueError:
-        return False
-    return math.isfinite(x) and math.isfinite(y) and math.isclose(x, y, rel_tol=0.0, abs_tol=tolerance)
+    return predicted is not None and normal(predicted) == normal(str(reference))
 
 
 def vote_key(answer: str) -> str:
     """Answers that mean the same number vote together ("12", "12.0", "1,2" is not a number)."""
-    text = _normal(answer)
+    text = normal(answer)
     try:
         value = float(text)
     except ValueError:
@@ -166,22 +147,35 @@ class Generator:
         return texts, lengths
 
 
+def fitting_prompts(
+    formatted: pd.DataFrame, tokenizer, max_prompt_length: int, setting: str = "grpo.max_prompt_length", lengths=None
+) -> tuple[pd.DataFrame, int]:
+    """(rows whose prompt fits `max_prompt_length` tokens, how many were skipped); the skipped are logged.
+
+    `setting`: the config key that sets the limit, named in the warning; `lengths`: the prompts' token
+    counts when the caller has them.
+    """
+    if not len(formatted):
+        return formatted, 0
+    lengths = np.asarray(prompt_lengths(tokenizer, formatted["prompt"].tolist()) if lengths is None else lengths)
+    fits = lengths <= max_prompt_length
+    skipped = int((~fits).sum())
+    if skipped:
+        log.warning("%s: %d of %d prompts are longer than %s=%d tokens (longest %d); skipped",
+                    setting.split(".")[0], skipped, len(formatted), setting, max_prompt_length, int(lengths.max()))
+    return formatted[fits].reset_index(drop=True), skipped
+
+
 def select_prompts(formatted: pd.DataFrame, tokenizer, params: EvaluateParams) -> tuple[pd.DataFrame, int, int]:
     """(prompts to generate for, how many were skipped as too long, the padded prompt length)."""
     held_out = formatted.head(params.num_prompts).reset_index(drop=True)
     if not len(held_out):
         return held_out, 0, 0
-    lengths = np.asarray(prompt_lengths(tokenizer, held_out["prompt"].tolist()))
+    lengths = prompt_lengths(tokenizer, held_out["prompt"].tolist())
     if params.max_prompt_length is None:
-        return held_out, 0, next_power_of_two(int(lengths.max()))
-    fits = lengths <= params.max_prompt_length
-    skipped = int((~fits).sum())
-    if skipped:
-        log.warning(
-            "evaluate: %d of %d prompts are longer than evaluate.max_prompt_length=%d tokens (longest %d); skipped",
-            skipped, len(held_out), params.max_prompt_length, int(lengths.max()),
-        )
-    return held_out[fits].reset_index(drop=True), skipped, params.max_prompt_length
+        return held_out, 0, next_power_of_two(int(max(lengths)))
+    rows, skipped = fitting_prompts(held_out, tokenizer, params.max_prompt_length, "evaluate.max_prompt_length", lengths)
+    return rows, skipped, params.max_prompt_length
 
 
 # ---------------------------------------------------------------- metrics
@@ -202,7 +196,7 @@ def score(
     rows = []
     for j, (text, n_tokens) in enumerate(zip(generated, completion_tokens)):
         record = records[j // k]
-        text = (text or "").replace(GEMMA_END_OF_TURN, "").strip()
+        text = clean(text)
         extracted = extract_answer(text)
         reference = str(record["answer"])
         rows.append(
@@ -216,7 +210,7 @@ def score(
                 "extracted": extracted,
                 "correct": answers_match(extracted, reference, params.numeric_tolerance),
                 "exact": exact_match(extracted, reference),
-                "well_formed": exactly_formatted(text),
+                "well_formed": well_formed(text),
                 "completion_tokens": n_tokens,
                 "truncated": n_tokens is not None and n_tokens >= params.max_new_tokens,
             }

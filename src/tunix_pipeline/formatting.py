@@ -9,32 +9,13 @@ end-of-turn marker, kept apart from the prompt so the loss can skip it.
 
 from __future__ import annotations
 
-import re
-
 import pandas as pd
 
+from tunix_pipeline.answers import GEMMA_END_OF_TURN, render
 from tunix_pipeline.config import FormatParams
 from tunix_pipeline.ingest import conversation
 
-GEMMA_END_OF_TURN = "<end_of_turn>"
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
-_WELL_FORMED = re.compile(r"^\s*<reasoning>.+?</reasoning>\s*<answer>.+?</answer>\s*$", re.S)
 FORMATTED_COLUMNS = ["id", "source", "prompt", "completion", "answer"]
-
-
-def reasoning_completion(reasoning: str, answer: str) -> str:
-    return f"<reasoning>{reasoning}</reasoning><answer>{answer}</answer>"
-
-
-def extract_answer(text: str) -> str | None:
-    """The text inside the first <answer>…</answer>, or None."""
-    match = _ANSWER.search(text)
-    return match.group(1).strip() if match else None
-
-
-def is_well_formed(text: str) -> bool:
-    """Exactly the reasoning format: <reasoning>…</reasoning><answer>…</answer>."""
-    return bool(_WELL_FORMED.match(text))
 
 
 def _conversation(record: dict, system_prompt: str | None) -> list[dict]:
@@ -77,10 +58,10 @@ def format_records(records: pd.DataFrame, tokenizer, params: FormatParams) -> pd
     rows = []
     for record in records.to_dict(orient="records"):
         prompt = render_prompt(_conversation(record, params.system_prompt), tokenizer, params)
-        completion = reasoning_completion(record["reasoning"], record["answer"]) + closing
+        completion = render(record["reasoning"], record["answer"]) + closing
         row = {"id": record["id"], "source": record["source"], "prompt": prompt, "completion": completion,
                "answer": record["answer"]}
         if pairs:  # a preference record: its rejected answer in the same format
-            row["rejected"] = reasoning_completion(record["rejected_reasoning"], record["rejected_answer"]) + closing
+            row["rejected"] = render(record["rejected_reasoning"], record["rejected_answer"]) + closing
         rows.append(row)
     return pd.DataFrame(rows, columns=FORMATTED_COLUMNS + (["rejected"] if pairs else []))

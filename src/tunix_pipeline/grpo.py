@@ -26,6 +26,7 @@ import pandas as pd
 from tunix_pipeline import tracking
 from tunix_pipeline.config import GrpoParams
 from tunix_pipeline.errors import UserError
+from tunix_pipeline.evaluation import fitting_prompts  # grpo.fitting_prompts: GRPO's and preference's prompts
 from tunix_pipeline.optim import make_optimizer
 from tunix_pipeline.paths import storage_path
 from tunix_pipeline.rewards import RewardSet
@@ -43,21 +44,6 @@ class GrpoError(UserError, ValueError):
 
 
 # ---------------------------------------------------------------- data
-def fitting_prompts(formatted: pd.DataFrame, tokenizer, max_prompt_length: int) -> tuple[pd.DataFrame, int]:
-    """(rows whose prompt fits `max_prompt_length` tokens, how many were skipped)."""
-    from tunix_pipeline.evaluation import prompt_lengths
-
-    if not len(formatted):
-        return formatted, 0
-    lengths = np.asarray(prompt_lengths(tokenizer, formatted["prompt"].tolist()))
-    fits = lengths <= max_prompt_length
-    skipped = int((~fits).sum())
-    if skipped:
-        log.warning("grpo: %d of %d prompts are longer than grpo.max_prompt_length=%d tokens; skipped",
-                    skipped, len(formatted), max_prompt_length)
-    return formatted[fits].reset_index(drop=True), skipped
-
-
 class PromptFeed:
     """Seeded epochs of full prompt batches; batch `i` is the same in every run (resume replays the order).
 

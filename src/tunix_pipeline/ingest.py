@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from tunix_pipeline import answers
 from tunix_pipeline.config import IngestParams, SourceParams
 from tunix_pipeline.errors import UserError
 
@@ -43,7 +44,6 @@ FORMAT_FIELDS = {
     "preference": {"required": ["chosen", "rejected"], "optional": ["prompt"]},
 }
 ROLES = ("system", "user", "assistant")
-_TAGGED = re.compile(r"^\s*<reasoning>(.*?)</reasoning>\s*<answer>(.*?)</answer>\s*$", re.S)
 _NOT_UTF8 = re.compile("[\ud800-\udfff]")  # undecodable bytes (surrogateescape) or lone surrogates from JSON escapes
 _SLUG_WORD = re.compile(r"[A-Za-z0-9_-]{1,32}")
 _JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
@@ -342,9 +342,9 @@ def _text(row: dict, column: str, required: bool) -> str:
 
 def split_completion(text: str) -> tuple[str, str]:
     """(reasoning, answer) from a completion: tagged, GSM8K `#### x`, or plain answer."""
-    tagged = _TAGGED.match(text)
+    tagged = answers.parse(text)
     if tagged:
-        return tagged.group(1).strip(), tagged.group(2).strip()
+        return tagged
     if "####" in text:
         reasoning, _, answer = text.rpartition("####")
         answer = answer.strip()
@@ -551,4 +551,4 @@ def record_texts(records: pd.DataFrame) -> Iterator[str]:
     for record in records.to_dict(orient="records"):
         for message in conversation(record):
             yield message["content"]
-        yield f"<reasoning>{record['reasoning']}</reasoning><answer>{record['answer']}</answer>"
+        yield answers.render(record["reasoning"], record["answer"])

@@ -19,39 +19,25 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from tunix_pipeline.config import RewardParams
 from tunix_pipeline.errors import UserError
-from tunix_pipeline.formatting import GEMMA_END_OF_TURN, extract_answer, is_well_formed
+from tunix_pipeline.answers import TAGS, answer_score, clean, extract_answer, well_formed
 
 
 class RewardError(UserError, ValueError):
     """A `grpo.rewards` entry that names no usable reward function, or one that returns unusable scores."""
 
 
-TAGS = ("<reasoning>", "</reasoning>", "<answer>", "</answer>")
 # keys Tunix adds to the reward call that are not dataset columns
 _TUNIX_KEYS = {"mode", "trajectory_ids"}
 
 
-def clean(completion) -> str:
-    """The completion as text, without the end-of-turn marker or surrounding space."""
-    if not isinstance(completion, str):
-        return ""
-    return completion.replace(GEMMA_END_OF_TURN, "").strip()
-
-
-def exactly_formatted(text: str) -> bool:
-    """`<reasoning>…</reasoning><answer>…</answer>` and nothing else: each tag once, in that order."""
-    return is_well_formed(text) and all(text.count(tag) == 1 for tag in TAGS)
-
-
 def format_exact(prompts, completions, **_) -> list[float]:
-    return [1.0 if exactly_formatted(clean(c)) else 0.0 for c in completions]
+    return [1.0 if well_formed(clean(c)) else 0.0 for c in completions]
 
 
 def format_approx(prompts, completions, **_) -> list[float]:
@@ -64,31 +50,6 @@ def format_approx(prompts, completions, **_) -> list[float]:
             score += 0.25 if n == 1 else (-0.25 if n > 1 else 0.0)
         scores.append(score)
     return scores
-
-
-def _number(text: str) -> float | None:
-    try:
-        value = float(text.strip().replace(",", ""))
-    except (ValueError, AttributeError):
-        return None
-    return value if math.isfinite(value) else None
-
-
-def answer_score(predicted: str | None, reference, tolerance: float = 1e-6) -> float:
-    """1 for a right answer; 0.5 within 10% and 0.25 within 20% of a numeric reference; else 0."""
-    if predicted is None:
-        return 0.0
-    ref = str(reference).strip().replace(",", "")
-    guess = predicted.strip().replace(",", "")
-    if guess == ref and ref:
-        return 1.0
-    g, r = _number(guess), _number(ref)
-    if g is None or r is None:
-        return 0.0
-    if abs(g - r) <= tolerance:
-        return 1.0
-    error = abs(g - r) / max(abs(r), 1.0)
-    return 0.5 if error <= 0.1 else 0.25 if error <= 0.2 else 0.0
 
 
 def answer(prompts, completions, answer=None, tolerance: float = 1e-6, **_) -> list[float]:

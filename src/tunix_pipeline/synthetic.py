@@ -20,6 +20,8 @@ import json
 import random
 from pathlib import Path
 
+from tunix_pipeline import answers
+
 NAMES = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun"]
 ITEMS = ["apples", "books", "coins", "pens", "shells", "stamps", "marbles", "cards"]
 TIMES_ROWS = 600  # the recipe holds out ~140 of them (issue 19 needs >= 128 held-out prompts)
@@ -120,7 +122,7 @@ def write_raw_files(out_dir: str | Path, n: int = 400, seed: int = 0) -> list[Pa
     chat_path = out / "arith_chat.jsonl"
     with chat_path.open("w") as f:
         for p in chat:
-            completion = f"<reasoning>{p['reasoning']}</reasoning><answer>{p['answer']}</answer>"
+            completion = answers.render(p["reasoning"], p["answer"])
             messages = [
                 {"role": "user", "content": p["question"]},
                 {"role": "assistant", "content": completion},
