@@ -142,7 +142,7 @@ def test_grpo_full_weights_trains_checkpoints_and_resumes(tiny_model_dir, tokeni
     assert any(not np.allclose(start[k], trained[k]) for k in start)  # a step moves weights by ~lr, far past 1e-5
 
     # the checkpoint restores into a fresh model
-    from tunix_pipeline.training import restore_latest
+    from tunix_pipeline.checkpoints import restore_latest
 
     fresh, _ = load_model(tiny_model_dir, mesh, "float32")
     assert restore_latest(fresh, ckpt) == 2

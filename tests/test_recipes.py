@@ -339,7 +339,7 @@ def test_a_misconfigured_recipe_fails_with_a_clear_message(params):
 
 
 def test_training_by_epochs_runs_those_steps_and_ends_at_a_barrier(tiny_model_dir, tmp_path, monkeypatch):
-    from tunix_pipeline import training
+    from tunix_pipeline import checkpoints, training
     from tunix_pipeline.models import load_model
 
     from .test_export import _rows
@@ -354,5 +354,5 @@ def test_training_by_epochs_runs_those_steps_and_ends_at_a_barrier(tiny_model_di
     result = training.train(model, rows, rows.head(0), sft, mesh)
     assert result["latest_step"] == 3  # 1.5 epochs x 4 micro-batches / 2 per step
     # every process leaves training together, after process 0 wrote the loss history (multi-host)
-    assert barriers[-1] == "sft_end" and (tmp_path / "ckpt" / training.HISTORY_FILE).is_file()
+    assert barriers[-1] == "sft_end" and (tmp_path / "ckpt" / checkpoints.HISTORY_FILE).is_file()
 

@@ -178,10 +178,11 @@ def test_a_lora_run_starts_from_another_runs_adapters(tmp_path, tiny_model_dir, 
     """`sft.init_from` with LoRA: the parent's trained adapters, the same frozen base; a full model refuses them."""
     from flax import nnx
 
+    from tunix_pipeline.checkpoints import start_from
     from tunix_pipeline.config import ModelParams, SftParams, TokenizeParams
     from tunix_pipeline.models import load_run_model
     from tunix_pipeline.tokenization import tokenize_split
-    from tunix_pipeline.training import make_mesh, start_from, train
+    from tunix_pipeline.training import make_mesh, train
 
     from .test_training import MESH
 

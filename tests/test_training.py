@@ -1,4 +1,5 @@
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import pandas as pd
 import pytest
 from flax import nnx
 
+from tunix_pipeline.checkpoints import restore_latest
 from tunix_pipeline.config import RuntimeParams, SftParams, TokenizeParams
 from tunix_pipeline.models import compute_logits, load_model
 from tunix_pipeline.optim import make_optimizer
@@ -25,7 +27,6 @@ from tunix_pipeline.training import (
     make_mesh,
     model_inputs,
     process_rows,
-    restore_latest,
     train,
 )
 
@@ -394,6 +395,18 @@ def test_kill_9_then_rerun_ends_bitwise_equal_to_an_uninterrupted_run(tiny_model
     assert [h["step"] for h in result["loss_history"]] == list(range(1, 11))
     a, b = np.load(tmp_path / "straight.npz"), np.load(tmp_path / "resumed.npz")
     assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
+def test_progress_lines_in_a_log_without_a_terminal(tiny_model_dir, rows_file, tmp_path):
+    """Piped output (no TTY, no notebook): no bar, a line a step here (10 steps) with loss, tokens/s, time left."""
+    spec = {**_spec(tiny_model_dir, rows_file, tmp_path / "out", tmp_path / "ckpt"), "log_info": True}
+    worker = _run_worker(spec, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output, _ = worker.communicate(timeout=300)
+    assert worker.returncode == 0, output
+    steps = re.findall(r"sft: step (\d+)/10 \(\d+%\), loss \d+\.\d{4}(, [\d,]+ tokens/s, \d+:\d\d:\d\d left)?", output)
+    assert [int(step) for step, _ in steps] == list(range(1, 11)), output
+    assert all(timed for _, timed in steps[1:])  # from the second step on: throughput and time left
+    assert "it/s" not in output and "step/s" not in output  # no tqdm bar written into the log
 
 
 @pytest.mark.slow

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tunix_pipeline.checkpoints import restore_latest, start_from
 from tunix_pipeline.config import ExportParams, FormatParams, ModelParams, RuntimeParams
 from tunix_pipeline.errors import UserError
 from tunix_pipeline.models import load_model, load_pretrained
 from tunix_pipeline.paths import storage_path
 from tunix_pipeline.pipelines.export.nodes import export_model
 from tunix_pipeline.sessions import Ledger, apply_current_session
-from tunix_pipeline.training import make_mesh, restore_latest, start_from, train
+from tunix_pipeline.training import make_mesh, train
 
 from . import fake_gcs
 from .test_export import _rows

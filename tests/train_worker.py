@@ -5,11 +5,13 @@ final weights to spec["out"] (process 0 only).
 """
 
 import json
+import logging
 import os
 import sys
 import time
 
 spec = json.loads(sys.argv[1])
+logging.basicConfig(level=logging.INFO if spec.get("log_info") else logging.WARNING)
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={spec.get('devices', 8)}"
 
 import jax  # noqa: E402

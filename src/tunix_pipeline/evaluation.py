@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import Counter
 
 import numpy as np
 import pandas as pd
 
 from tunix_pipeline.config import EvaluateParams
+from tunix_pipeline.progress import Progress
 from tunix_pipeline.answers import GEMMA_END_OF_TURN, answers_match, clean, extract_answer, normal, well_formed
 
 log = logging.getLogger(__name__)
@@ -131,7 +133,9 @@ class Generator:
         expanded = [prompt for prompt in prompts for _ in range(p.num_samples)]
         sampling = sampling_args(p.temperature, p.top_p, p.top_k)
         texts, lengths = [], []
+        report = Progress("generate", -(-len(expanded) // p.batch_size), bar=True, unit="batch")
         for i, start in enumerate(range(0, len(expanded), p.batch_size)):
+            started = time.perf_counter()
             chunk = expanded[start : start + p.batch_size]
             padded = chunk + [chunk[-1]] * (p.batch_size - len(chunk))  # one compiled shape for every chunk
             out = self.sampler(
@@ -144,6 +148,8 @@ class Generator:
             )
             texts.extend(out.text[: len(chunk)])
             lengths.extend(int(len(t)) for t in out.tokens[: len(chunk)])
+            report.update(i + 1, tokens_per_sec=sum(lengths[start:]) / (time.perf_counter() - started))
+        report.close()
         return texts, lengths
 
 

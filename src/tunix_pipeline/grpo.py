@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import pandas as pd
 
-from tunix_pipeline import tracking
+from tunix_pipeline import checkpoints, progress, tracking
 from tunix_pipeline.config import GrpoParams
 from tunix_pipeline.errors import UserError
 from tunix_pipeline.evaluation import fitting_prompts  # grpo.fitting_prompts: GRPO's and preference's prompts
@@ -31,7 +31,6 @@ from tunix_pipeline.optim import make_optimizer
 from tunix_pipeline.paths import storage_path
 from tunix_pipeline.rewards import RewardSet
 from tunix_pipeline.runtime import barrier
-from tunix_pipeline.training import load_history, save_history
 
 log = logging.getLogger(__name__)
 HISTORY_FILE = "grpo_history.json"
@@ -102,35 +101,6 @@ def frozen_copy(model):
     return nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
 
 
-def _checkpoint_options(params: GrpoParams):
-    import orbax.checkpoint as ocp
-
-    policies = ocp.checkpoint_managers
-    return ocp.CheckpointManagerOptions(
-        # every N steps, on preemption, and at the last step — saved inside the loop so Tunix stores
-        # its step metadata (its own save at close has none); no extra save at step 1
-        save_decision_policy=policies.AnySavePolicy(
-            [
-                policies.FixedIntervalPolicy(params.checkpoint_every),
-                policies.SpecificStepsPolicy([params.max_steps]),
-                policies.PreemptionCheckpointingPolicy(),
-            ]
-        ),
-        max_to_keep=params.keep_checkpoints,
-    )
-
-
-def _history_of(logger, prefix: str, name: str) -> np.ndarray:
-    from tunix.sft import metrics_logger
-
-    for mode in ("train", metrics_logger.Mode.TRAIN):
-        if logger.metric_exists(prefix, name, mode):
-            return np.asarray(logger.get_metric_history(prefix, name, mode), dtype=np.float64).ravel()
-    return np.array([])
-
-
-
-
 # ---------------------------------------------------------------- the run
 def train_grpo(
     model,
@@ -143,7 +113,6 @@ def train_grpo(
     """GRPO on `model` in place (full weights, or its LoRA adapters); resumes from `params.checkpoint_dir`."""
     from tunix.rl import rl_cluster as rl_cluster_lib
     from tunix.rl.rollout import base_rollout
-    from tunix.sft import metrics_logger
 
     from tunix_pipeline.evaluation import end_tokens
     from tunix_pipeline.training import BATCH_AXES, data_parallel_size
@@ -162,11 +131,7 @@ def train_grpo(
         )
 
     root = storage_path(params.checkpoint_dir, "grpo.checkpoint_dir")  # a gs:// URI reaches Orbax as it is
-    options = None
-    if metrics_backends:
-        options = metrics_logger.MetricsLoggerOptions(
-            log_dir=str(root / "logs"), backend_kwargs={"custom_backend": metrics_backends}
-        )
+    options = checkpoints.logger_options(root, metrics_backends)
     rollout = base_rollout.RolloutConfig(
         max_tokens_to_generate=params.max_completion_length,
         max_prompt_length=params.max_prompt_length,
@@ -188,7 +153,7 @@ def train_grpo(
             eval_every_n_steps=params.max_steps + 1,
             max_steps=params.max_steps,
             checkpoint_root_directory=str(root),
-            checkpointing_options=_checkpoint_options(params),
+            checkpointing_options=checkpoints.options(params.checkpoint_every, params.keep_checkpoints, params.max_steps),
             metrics_logging_options=options,
             data_sharding_axis=BATCH_AXES,
             pbar_description="grpo",
@@ -204,7 +169,7 @@ def train_grpo(
             actor=model, reference=reference, tokenizer=tokenizer, cluster_config=cluster_config
         )
         start_step = cluster.actor_trainer.train_steps
-        history = load_history(root, start_step, HISTORY_FILE)
+        history = checkpoints.load_history(root, start_step, HISTORY_FILE)
         started = time.perf_counter()
         if start_step >= params.max_steps:
             log.info("grpo: checkpoint step %d already reaches grpo.max_steps=%d; nothing to train",
@@ -213,6 +178,7 @@ def train_grpo(
         else:
             if start_step:
                 log.info("resuming GRPO from checkpoint step %d in %s", start_step, root / "actor")
+            cluster.actor_trainer.with_training_hooks(progress.training_hooks("grpo"))
             learner = learner_cls(
                 rl_cluster=cluster,
                 algo_config=algo_config,
@@ -224,7 +190,7 @@ def train_grpo(
         end_step = cluster.actor_trainer.train_steps
 
     history += _new_history(cluster.actor_trainer.metrics_logger, rewards, start_step, end_step, params)
-    save_history(root, history, HISTORY_FILE)
+    checkpoints.save_history(root, history, HISTORY_FILE)
     barrier("grpo_end")  # multi-host: no process goes on before process 0 has written the history, as after SFT
     first, last = (history[0], history[-1]) if history else ({}, {})
     trend = reward_trend(history)
@@ -276,13 +242,13 @@ def _new_history(logger, rewards: RewardSet, start_step: int, end_step: int, par
     if end_step <= start_step:
         return []
     series = {
-        "reward": _history_of(logger, "reward", "total/mean"),
-        "reward_std": _history_of(logger, "reward", "total/std"),
-        "completion_length": _history_of(logger, "completions", "mean_length"),
-        **{f"reward/{n}": _history_of(logger, "reward", f"{n}/mean") for n in rewards.names},
+        "reward": checkpoints.metric_history(logger, "reward", "total/mean"),
+        "reward_std": checkpoints.metric_history(logger, "reward", "total/std"),
+        "completion_length": checkpoints.metric_history(logger, "completions", "mean_length"),
+        **{f"reward/{n}": checkpoints.metric_history(logger, "reward", f"{n}/mean") for n in rewards.names},
     }
     batches = len(series["reward"])
-    kl = _history_of(logger, "actor", "kl") if params.beta else np.array([])
+    kl = checkpoints.metric_history(logger, "actor", "kl") if params.beta else np.array([])
     if params.num_iterations > 1 and len(kl) == batches * params.num_iterations:
         kl = kl.reshape(batches, params.num_iterations).mean(axis=1)
     series["kl"] = kl

@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 from flax import nnx
 
+from tunix_pipeline import checkpoints
 from tunix_pipeline.config import PreferenceParams
 from tunix_pipeline.errors import UserError
 from tunix_pipeline.optim import make_optimizer
@@ -327,7 +328,6 @@ def train_preference(
     Before Tunix restores a checkpoint the model is the SFT policy: the reference
     (a frozen copy, or its log-probabilities) and the step-0 held-out accuracy come from it.
     """
-    from tunix.sft import metrics_logger
     from tunix.sft.dpo import dpo_trainer
 
     from tunix_pipeline import training
@@ -353,18 +353,14 @@ def train_preference(
     if params.time_budget_hours:
         feed.with_deadline(training._process_start() + params.time_budget_hours * 3600,
                            save_seconds=training._save_seconds_guess(model))
-    options = None
-    if metrics_backends:
-        options = metrics_logger.MetricsLoggerOptions(
-            log_dir=str(ckpt_dir / "logs"), backend_kwargs={"custom_backend": metrics_backends}
-        )
+    options = checkpoints.logger_options(ckpt_dir, metrics_backends)
     config = dpo_trainer.DPOTrainingConfig(
         algorithm="orpo" if params.method == "orpo" else "dpo",  # only the metric names differ: our loss hook decides
         beta=params.beta, lambda_orpo=params.orpo_lambda, label_smoothing=params.label_smoothing,
         eval_every_n_steps=params.max_steps + 1,
         max_steps=params.max_steps,
         checkpoint_root_directory=str(ckpt_dir),
-        checkpointing_options=training._checkpoint_options(sft),
+        checkpointing_options=checkpoints.options(sft.checkpoint_every, sft.keep_checkpoints),
         metrics_logging_options=options,
         data_sharding_axis=training.BATCH_AXES,
         metrics_prefix=METRICS_PREFIX,
@@ -374,7 +370,7 @@ def train_preference(
     tokens = 2 * batch_size * seq_len  # chosen and rejected rows
     flops = tokens * training.train_flops_per_token(model, seq_len)
     with scalar_listeners_scope(), mesh:
-        trainer = training.restored_trainer(
+        trainer = checkpoints.restored_trainer(
             lambda: _trainer_class()(model, reference, make_optimizer(sft.optim), config), ckpt_dir
         )
         trainer.with_loss_fn(loss_fn_for(params), has_aux=True)
@@ -385,8 +381,8 @@ def train_preference(
         trainer.with_training_hooks(training._throughput_hooks(tokens, flops, peak_flops_per_device, mesh.devices.size))
         trainer.with_data_hooks(feed)
         start_step = trainer.train_steps
-        history = training.load_history(ckpt_dir, start_step)
-        training._record_history_with_checkpoints(trainer, ckpt_dir, history, start_step)
+        history = checkpoints.load_history(ckpt_dir, start_step)
+        checkpoints.record_history_with_checkpoints(trainer, ckpt_dir, history, start_step)
         if start_step:
             log.info("resuming %s from checkpoint step %d in %s", params.method, start_step, ckpt_dir)
         started = time.perf_counter()
@@ -397,10 +393,11 @@ def train_preference(
             trainer.close()
         seconds = time.perf_counter() - started
         end_step = trainer.train_steps
-        curves = {name: training._history_of(trainer, name) for name in trainer._aux_metrics_to_log}
+        curves = {name: checkpoints.metric_history(trainer.metrics_logger, METRICS_PREFIX, name)
+                  for name in trainer._aux_metrics_to_log}
 
-    history = history + _with_curves(training._new_losses(trainer, start_step), curves)
-    training.save_history(ckpt_dir, history)
+    history = history + _with_curves(checkpoints.new_losses(trainer, start_step), curves)
+    checkpoints.save_history(ckpt_dir, history)
     accuracy_after = heldout_accuracy(model, eval_pairs, params, batch_size, mesh, eval_reference)
     training._sync("preference_end")
     if feed.stop_reason == "SIGTERM":

@@ -11,17 +11,16 @@ What we add around the trainer, through its own seams:
 - per-step metrics to MLflow through a Tunix metrics backend, with step time,
   tokens/s, MFU and device memory;
 - a loss history kept beside the checkpoints, so a resumed run reports the
-  whole curve; a corrupt latest checkpoint is set aside for the previous one.
+  whole curve; a corrupt latest checkpoint is set aside for the previous one
+  (both in `checkpoints`).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import signal
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -31,16 +30,16 @@ import pandas as pd
 from etils import epath
 from flax import nnx
 
+from tunix_pipeline import checkpoints
 from tunix_pipeline.config import RuntimeParams, SftParams
 from tunix_pipeline.errors import UserError
-from tunix_pipeline.models.errors import ModelError
 from tunix_pipeline.optim import make_optimizer
 from tunix_pipeline.paths import storage_path
+from tunix_pipeline.progress import Progress
 from tunix_pipeline.runtime import barrier as _sync
 from tunix_pipeline.tokenization import token_arrays
 
 log = logging.getLogger(__name__)
-HISTORY_FILE = "loss_history.json"
 MESH_AXES = ("data", "fsdp", "tp")
 # the batch dimension is split over every data-parallel axis
 BATCH_AXES = (("data", "fsdp"),)
@@ -48,10 +47,6 @@ BATCH_AXES = (("data", "fsdp"),)
 
 class MeshError(UserError, ValueError):
     """A mesh or batch size that does not fit the devices."""
-
-
-class CheckpointError(UserError, FileNotFoundError):
-    """A checkpoint a stage needs is missing or does not fit the model."""
 
 
 class TrainingInterrupted(RuntimeError):
@@ -304,10 +299,11 @@ def _throughput_hooks(tokens_per_step: int, flops_per_step: float, peak_flops: f
         """Step time, tokens/s (padded: the work the devices do), MFU and device memory, per step."""
 
         def __init__(self):
-            self.last = None
+            self.last, self.progress = None, None
 
         def on_train_start(self, trainer):
             self.last = None
+            self.progress = Progress(trainer.config.pbar_description, trainer.config.max_steps, trainer.train_steps)
 
         def on_train_step_end(self, trainer, train_step, train_loss):
             now = time.perf_counter()
@@ -321,6 +317,8 @@ def _throughput_hooks(tokens_per_step: int, flops_per_step: float, peak_flops: f
                     metrics["device_memory_gb"] = stats["bytes_in_use"] / 1e9
                 for name, value in metrics.items():
                     trainer.metrics_logger.log(trainer.metrics_prefix, name, value, "train", train_step)
+            loss = None if train_loss is None else float(train_loss)  # written a step late: already on the host
+            self.progress.update(train_step, loss, metrics["tokens_per_sec"] if self.last is not None else None)
             self.last = now
 
         def on_train_end(self, trainer): ...
@@ -329,38 +327,6 @@ def _throughput_hooks(tokens_per_step: int, flops_per_step: float, peak_flops: f
         def on_eval_step_end(self, trainer, eval_loss): ...
 
     return Throughput()
-
-
-# ---------------------------------------------------------------- checkpoints
-def _checkpoint_options(sft: SftParams):
-    import orbax.checkpoint as ocp
-
-    return ocp.CheckpointManagerOptions(
-        # every N steps (and on a preemption notice), without Orbax's extra save at the first step;
-        # the trainer always saves the last step when it stops
-        save_decision_policy=ocp.checkpoint_managers.AnySavePolicy(
-            [
-                ocp.checkpoint_managers.FixedIntervalPolicy(sft.checkpoint_every),
-                ocp.checkpoint_managers.PreemptionCheckpointingPolicy(),
-            ]
-        ),
-        max_to_keep=sft.keep_checkpoints,
-        enable_async_checkpointing=True,
-    )
-
-
-def _set_aside(ckpt_dir: epath.Path, step: int, err: Exception) -> None:
-    target = ckpt_dir / f"{step}.corrupt"
-    log.warning("checkpoint %s/%d cannot be restored (%s); moved to %s, resuming from the one before",
-                ckpt_dir, step, err, target)
-    if jax.process_index() == 0:
-        (ckpt_dir / str(step)).rename(target)
-    _sync(f"set_aside_{step}")
-
-
-def _latest_step(ckpt_dir: epath.Path) -> int | None:
-    steps = [int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit() and p.is_dir()]
-    return max(steps) if steps else None
 
 
 # ---------------------------------------------------------------- compiling the step
@@ -420,11 +386,20 @@ class _jit_with_options:
 
 @functools.cache
 def trainer_class(base=None):
-    """`base` (Tunix's PeftTrainer or a subclass such as DPOTrainer) whose jitted steps get `step_compiler_options()`."""
+    """`base` (Tunix's PeftTrainer or a subclass such as DPOTrainer) whose jitted steps get `step_compiler_options()`
+    and whose progress bar shows tokens/s."""
     from tunix.sft import peft_trainer
 
     class Trainer(base or peft_trainer.PeftTrainer):
         """A Tunix trainer whose jitted steps get `step_compiler_options()`."""
+
+        @property
+        def _tqdm_train_metrics(self):
+            # Tunix's bar in a terminal or notebook shows tokens/s too, once our throughput hook has logged it
+            names = super()._tqdm_train_metrics
+            if self.metrics_logger.metric_exists(self.metrics_prefix, "tokens_per_sec", "train"):
+                names = [*names, "tokens_per_sec"]
+            return names
 
         def jit_train_and_eval_step(self, skip_jit: bool = False, cache_nnx_graph: bool = False):
             building = not skip_jit and self._jitted_train_step_fn is None
@@ -443,26 +418,14 @@ def _trainer(model, sft: SftParams, mesh, options, ckpt_dir: epath.Path):
         max_steps=sft.max_steps,
         gradient_accumulation_steps=sft.gradient_accumulation_steps if sft.gradient_accumulation_steps > 1 else None,
         checkpoint_root_directory=str(ckpt_dir),
-        checkpointing_options=_checkpoint_options(sft),
+        checkpointing_options=checkpoints.options(sft.checkpoint_every, sft.keep_checkpoints),
         data_sharding_axis=BATCH_AXES,
         pbar_description="sft",
     )
-    return restored_trainer(
+    return checkpoints.restored_trainer(
         lambda: trainer_class()(model, make_optimizer(sft.optim), config, metrics_logger=metrics_logger.MetricsLogger(options)),
         ckpt_dir,
     )
-
-
-def restored_trainer(build, ckpt_dir: epath.Path):
-    """`build()`, a trainer that restores the latest good checkpoint of `ckpt_dir` (corrupt ones are set aside)."""
-    while True:
-        try:
-            return build()
-        except Exception as err:  # Orbax raises many types for unreadable files
-            step = _latest_step(ckpt_dir)
-            if step is None:
-                raise
-            _set_aside(ckpt_dir, step, err)
 
 
 # ---------------------------------------------------------------- the run
@@ -476,17 +439,11 @@ def train(
     peak_flops_per_device: float | None = None,
 ) -> dict:
     """Trains `model` in place; resumes from the latest checkpoint in `sft.checkpoint_dir`."""
-    from tunix.sft import metrics_logger
-
     batch_size = global_batch_size(sft, mesh)
     local = process_rows(mesh, batch_size)
     seq_len = len(train_rows["input_tokens"].iloc[0])
     ckpt_dir = storage_path(sft.checkpoint_dir, "sft.checkpoint_dir")  # a gs:// URI reaches Orbax as it is
-    options = None
-    if metrics_backends:
-        options = metrics_logger.MetricsLoggerOptions(
-            log_dir=str(ckpt_dir / "logs"), backend_kwargs={"custom_backend": metrics_backends}
-        )
+    options = checkpoints.logger_options(ckpt_dir, metrics_backends)
     feed = BatchFeed(train_rows, batch_size, sft.seed, local)
     sft = sft.steps_for(len(train_rows), batch_size)  # sft.epochs -> max_steps, now that the rows are known
     if sft.eval_every and len(eval_rows):
@@ -505,8 +462,8 @@ def train(
         )
         trainer.with_data_hooks(feed)
         start_step = trainer.train_steps
-        history = load_history(ckpt_dir, start_step)
-        _record_history_with_checkpoints(trainer, ckpt_dir, history, start_step)
+        history = checkpoints.load_history(ckpt_dir, start_step)
+        checkpoints.record_history_with_checkpoints(trainer, ckpt_dir, history, start_step)
         if start_step:
             log.info("resuming SFT from checkpoint step %d in %s", start_step, ckpt_dir)
         started = time.perf_counter()
@@ -515,8 +472,8 @@ def train(
         seconds = time.perf_counter() - started
         end_step = trainer.train_steps
 
-    history = history + _new_losses(trainer, start_step)
-    save_history(ckpt_dir, history)
+    history = history + checkpoints.new_losses(trainer, start_step)
+    checkpoints.save_history(ckpt_dir, history)
     # multi-host: Orbax syncs every process before each save and after its finalisation, and the
     # in-training evaluation is one SPMD program; this barrier lets no process go on to the next
     # stage (evaluate, which restores the checkpoints) before process 0 has written the history too
@@ -529,7 +486,7 @@ def train(
     if feed.stop_reason:
         log.warning("stopped at step %d of %d to save within the %s h session budget; rerun to continue",
                     end_step, sft.max_steps, sft.time_budget_hours)
-    tokens_per_sec = _history_of(trainer, "tokens_per_sec")
+    tokens_per_sec = checkpoints.metric_history(trainer.metrics_logger, trainer.metrics_prefix, "tokens_per_sec")
     return {
         "checkpoint_dir": str(ckpt_dir),
         "latest_step": end_step,
@@ -578,100 +535,3 @@ def _process_start() -> float:
 
     return psutil.Process().create_time()
 
-
-def _new_losses(trainer, start_step: int) -> list[dict]:
-    """This run's losses so far, with the step Tunix has not written yet (it writes each one a step late)."""
-    losses = list(_history_of(trainer, "loss"))
-    pending = getattr(trainer, "_prev_buffered_train_metrics", None)
-    if pending is not None:
-        losses.append(float(pending.loss))
-    return [{"step": start_step + i + 1, "loss": float(v)} for i, v in enumerate(losses)]
-
-
-def _record_history_with_checkpoints(trainer, ckpt_dir: epath.Path, history: list[dict], start_step: int) -> None:
-    """Writes the loss history whenever a checkpoint is saved, so a killed run's curve survives with it."""
-    manager = trainer.checkpoint_manager
-    save = manager.save
-
-    def save_and_record(step, *args, **kwargs):
-        saved = save(step, *args, **kwargs)
-        if saved:
-            save_history(ckpt_dir, history + _new_losses(trainer, start_step))
-        return saved
-
-    manager.save = save_and_record
-
-
-def _history_of(trainer, name: str) -> np.ndarray:
-    prefix = trainer.metrics_prefix  # "" for SFT (train/loss), the stage's own for the others
-    if not trainer.metrics_logger.metric_exists(prefix, name, "train"):
-        return np.array([])
-    return np.asarray(trainer.metrics_logger.get_metric_history(prefix, name, "train"), dtype=np.float64).ravel()
-
-
-def load_history(ckpt_dir: epath.Path, upto_step: int, name: str = HISTORY_FILE) -> list[dict]:
-    """The per-step history saved beside the checkpoints, up to the restored step."""
-    path = ckpt_dir / name
-    if not upto_step or not path.is_file():
-        return []
-    return [h for h in json.loads(path.read_text()) if h["step"] <= upto_step]
-
-
-def save_history(ckpt_dir: epath.Path, history: list[dict], name: str = HISTORY_FILE) -> None:
-    if jax.process_index() != 0:
-        return
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt_dir / (name + ".tmp")
-    tmp.write_text(json.dumps(history))
-    tmp.replace(ckpt_dir / name)
-
-
-def restore_latest(model, checkpoint_dir: str | Path) -> int:
-    """Loads the latest SFT checkpoint into `model` (only its adapters when it has LoRA); returns the step (0: none)."""
-    from tunix.sft import checkpoint_manager
-    from tunix.sft import utils as sft_utils
-
-    manager = checkpoint_manager.CheckpointManager(str(storage_path(checkpoint_dir)))
-    try:
-        step, _ = manager.maybe_restore(model, restore_only_lora_params=sft_utils.is_lora_enabled(model))
-    finally:
-        manager.close()
-    return step
-
-
-def restore_required(model, checkpoint_dir: str | Path, stage: str, needed_by: str) -> int:
-    """`restore_latest`, for a stage that cannot go on without `stage`'s checkpoint; returns its step."""
-    step = restore_latest(model, checkpoint_dir)
-    if step == 0:
-        raise CheckpointError(f"{needed_by}: no {stage} checkpoint in {checkpoint_dir}; run the `{stage}` pipeline first")
-    return step
-
-
-def start_from(model, parent_dir: str | Path, checkpoint_dir: str | Path) -> dict:
-    """Loads the parent run's latest checkpoint into `model` (a new run on its weights, `sft.init_from`).
-
-    Skipped when this run has checkpoints of its own: it was interrupted, and the
-    trainer resumes those. Returns the lineage: parent checkpoint, step and MLflow run.
-    """
-    from tunix_pipeline.tracking import recorded_run
-
-    parent = storage_path(parent_dir, "sft.init_from")
-    lineage = {"parent_checkpoint": str(parent), "parent_run_id": recorded_run(parent)}
-    if _latest_step(storage_path(checkpoint_dir)) is not None:
-        return {**lineage, "parent_step": _latest_step(parent) if parent.is_dir() else None}
-    if not parent.is_dir() or _latest_step(parent) is None:
-        raise CheckpointError(
-            f"sft.init_from: no checkpoint in {parent}; point it at a previous run's sft.checkpoint_dir "
-            "(on Kaggle: the attached dataset holding the last session's output)"
-        )
-    try:
-        step = restore_latest(model, parent)
-    except Exception as err:  # Orbax names the tree mismatch only deep inside its message
-        from tunix.sft import utils as sft_utils
-
-        raise ModelError(
-            f"sft.init_from: cannot load {parent} into this model (LoRA: {sft_utils.is_lora_enabled(model)}); "
-            f"the parent must have the same model.source and model.lora settings: {err}"
-        ) from err
-    log.info("starting from %s step %d (a new run: fresh optimizer, step 0)", parent, step)
-    return {**lineage, "parent_step": step}

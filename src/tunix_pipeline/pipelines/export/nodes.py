@@ -1,11 +1,12 @@
 import contextlib
 import logging
 
+from tunix_pipeline.checkpoints import restore_required
 from tunix_pipeline.config import ExportParams, FormatParams, ModelParams, RuntimeParams
 from tunix_pipeline.models import export_pretrained, load_run_model, load_tokenizer
 from tunix_pipeline.models.gguf_export import tuned_chat_template
 from tunix_pipeline.paths import local_folder, storage_path
-from tunix_pipeline.training import make_mesh, restore_required
+from tunix_pipeline.training import make_mesh
 
 log = logging.getLogger(__name__)
 

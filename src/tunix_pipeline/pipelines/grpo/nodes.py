@@ -1,11 +1,12 @@
 import pandas as pd
 
+from tunix_pipeline.checkpoints import restore_required
 from tunix_pipeline.config import GrpoParams, ModelParams, RuntimeParams, TrackingParams
 from tunix_pipeline.grpo import train_grpo
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
 from tunix_pipeline.rewards import RewardSet
 from tunix_pipeline.tracking import metrics_backends
-from tunix_pipeline.training import make_mesh, restore_required
+from tunix_pipeline.training import make_mesh
 
 
 def run_grpo(

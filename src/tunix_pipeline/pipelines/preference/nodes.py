@@ -5,6 +5,7 @@ import mlflow
 import pandas as pd
 
 from tunix_pipeline import preference as pref
+from tunix_pipeline.checkpoints import restore_required
 from tunix_pipeline.config import (
     FormatParams, GrpoParams, ModelParams, PlanParams, PreferenceParams, RuntimeParams, TrackingParams,
 )
@@ -14,7 +15,7 @@ from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_coun
 from tunix_pipeline.planning import peak_flops_per_device
 from tunix_pipeline.rewards import RewardSet
 from tunix_pipeline.tracking import metrics_backends
-from tunix_pipeline.training import make_mesh, restore_required
+from tunix_pipeline.training import make_mesh
 
 log = logging.getLogger(__name__)
 

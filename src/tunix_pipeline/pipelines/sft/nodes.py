@@ -2,11 +2,12 @@ import jax
 import mlflow
 import pandas as pd
 
+from tunix_pipeline.checkpoints import start_from
 from tunix_pipeline.config import ModelParams, PlanParams, RuntimeParams, SftParams, TrackingParams
 from tunix_pipeline.models import load_run_model, parameter_counts
 from tunix_pipeline.planning import peak_flops_per_device
 from tunix_pipeline.tracking import MlflowBackend, metrics_backends, mlflow_name, remember_run
-from tunix_pipeline.training import global_batch_size, make_mesh, start_from, train
+from tunix_pipeline.training import global_batch_size, make_mesh, train
 
 
 def train_sft(

@@ -1,0 +1,185 @@
+"""Checkpoints and the per-step history beside them, for SFT, preference and GRPO.
+
+Orbax's save policy of every stage, restoring the latest checkpoint (or saying
+which stage to run first), setting a corrupt latest checkpoint aside for the one
+before, and a metric history that a resumed run continues, written atomically
+beside the checkpoints whenever one is saved.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import jax
+import numpy as np
+from etils import epath
+
+from tunix_pipeline.errors import UserError
+from tunix_pipeline.models.errors import ModelError
+from tunix_pipeline.paths import storage_path
+from tunix_pipeline.runtime import barrier
+
+log = logging.getLogger(__name__)
+HISTORY_FILE = "loss_history.json"
+
+
+class CheckpointError(UserError, FileNotFoundError):
+    """A checkpoint a stage needs is missing or does not fit the model."""
+
+
+# ---------------------------------------------------------------- saving and restoring
+def options(every: int, keep: int, last_step: int | None = None):
+    """Orbax's options: save every `every` steps and on a preemption notice (and at `last_step`, for a
+    trainer that does not save its last step itself), keeping the `keep` latest; no extra save at step 1."""
+    import orbax.checkpoint as ocp
+
+    policies = ocp.checkpoint_managers
+    steps = [policies.FixedIntervalPolicy(every)]
+    if last_step is not None:  # saved inside the loop, so Tunix stores its step metadata with it
+        steps.append(policies.SpecificStepsPolicy([last_step]))
+    return ocp.CheckpointManagerOptions(
+        save_decision_policy=policies.AnySavePolicy([*steps, policies.PreemptionCheckpointingPolicy()]),
+        max_to_keep=keep,
+        enable_async_checkpointing=True,
+    )
+
+
+def latest_step(ckpt_dir: epath.Path) -> int | None:
+    steps = [int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit() and p.is_dir()]
+    return max(steps) if steps else None
+
+
+def set_aside(ckpt_dir: epath.Path, step: int, err: Exception) -> None:
+    target = ckpt_dir / f"{step}.corrupt"
+    log.warning("checkpoint %s/%d cannot be restored (%s); moved to %s, resuming from the one before",
+                ckpt_dir, step, err, target)
+    if jax.process_index() == 0:
+        (ckpt_dir / str(step)).rename(target)
+    barrier(f"set_aside_{step}")
+
+
+def restored_trainer(build, ckpt_dir: epath.Path):
+    """`build()`, a trainer that restores the latest good checkpoint of `ckpt_dir` (corrupt ones are set aside)."""
+    while True:
+        try:
+            return build()
+        except Exception as err:  # Orbax raises many types for unreadable files
+            step = latest_step(ckpt_dir)
+            if step is None:
+                raise
+            set_aside(ckpt_dir, step, err)
+
+
+def restore_latest(model, checkpoint_dir: str | Path) -> int:
+    """Loads the latest checkpoint of `checkpoint_dir` into `model` (only its adapters when it has LoRA); returns the step (0: none)."""
+    from tunix.sft import checkpoint_manager
+    from tunix.sft import utils as sft_utils
+
+    manager = checkpoint_manager.CheckpointManager(str(storage_path(checkpoint_dir)))
+    try:
+        step, _ = manager.maybe_restore(model, restore_only_lora_params=sft_utils.is_lora_enabled(model))
+    finally:
+        manager.close()
+    return step
+
+
+def restore_required(model, checkpoint_dir: str | Path, stage: str, needed_by: str) -> int:
+    """`restore_latest`, for a stage that cannot go on without `stage`'s checkpoint; returns its step."""
+    step = restore_latest(model, checkpoint_dir)
+    if step == 0:
+        raise CheckpointError(f"{needed_by}: no {stage} checkpoint in {checkpoint_dir}; run the `{stage}` pipeline first")
+    return step
+
+
+def start_from(model, parent_dir: str | Path, checkpoint_dir: str | Path) -> dict:
+    """Loads the parent run's latest checkpoint into `model` (a new run on its weights, `sft.init_from`).
+
+    Skipped when this run has checkpoints of its own: it was interrupted, and the
+    trainer resumes those. Returns the lineage: parent checkpoint, step and MLflow run.
+    """
+    from tunix_pipeline.tracking import recorded_run
+
+    parent = storage_path(parent_dir, "sft.init_from")
+    lineage = {"parent_checkpoint": str(parent), "parent_run_id": recorded_run(parent)}
+    if latest_step(storage_path(checkpoint_dir)) is not None:
+        return {**lineage, "parent_step": latest_step(parent) if parent.is_dir() else None}
+    if not parent.is_dir() or latest_step(parent) is None:
+        raise CheckpointError(
+            f"sft.init_from: no checkpoint in {parent}; point it at a previous run's sft.checkpoint_dir "
+            "(on Kaggle: the attached dataset holding the last session's output)"
+        )
+    try:
+        step = restore_latest(model, parent)
+    except Exception as err:  # Orbax names the tree mismatch only deep inside its message
+        from tunix.sft import utils as sft_utils
+
+        raise ModelError(
+            f"sft.init_from: cannot load {parent} into this model (LoRA: {sft_utils.is_lora_enabled(model)}); "
+            f"the parent must have the same model.source and model.lora settings: {err}"
+        ) from err
+    log.info("starting from %s step %d (a new run: fresh optimizer, step 0)", parent, step)
+    return {**lineage, "parent_step": step}
+
+
+# ---------------------------------------------------------------- the history beside them
+def logger_options(ckpt_dir: epath.Path, metrics_backends: list | None):
+    """Tunix's metrics-logger options sending every metric to `metrics_backends` (None: Tunix's own logs)."""
+    from tunix.sft import metrics_logger
+
+    if not metrics_backends:
+        return None
+    return metrics_logger.MetricsLoggerOptions(
+        log_dir=str(ckpt_dir / "logs"), backend_kwargs={"custom_backend": metrics_backends}
+    )
+
+
+def metric_history(logger, prefix: str, name: str) -> np.ndarray:
+    """Every training value of `prefix`/`name` a Tunix metrics logger holds ("" prefix: SFT's train/loss)."""
+    from tunix.sft import metrics_logger
+
+    for mode in ("train", metrics_logger.Mode.TRAIN):  # the RL trainers key by the enum
+        if logger.metric_exists(prefix, name, mode):
+            return np.asarray(logger.get_metric_history(prefix, name, mode), dtype=np.float64).ravel()
+    return np.array([])
+
+
+def load_history(ckpt_dir: epath.Path, upto_step: int, name: str = HISTORY_FILE) -> list[dict]:
+    """The per-step history saved beside the checkpoints, up to the restored step."""
+    path = ckpt_dir / name
+    if not upto_step or not path.is_file():
+        return []
+    return [h for h in json.loads(path.read_text()) if h["step"] <= upto_step]
+
+
+def save_history(ckpt_dir: epath.Path, history: list[dict], name: str = HISTORY_FILE) -> None:
+    if jax.process_index() != 0:
+        return
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt_dir / (name + ".tmp")
+    tmp.write_text(json.dumps(history))
+    tmp.replace(ckpt_dir / name)
+
+
+def new_losses(trainer, start_step: int) -> list[dict]:
+    """This run's losses so far, with the step Tunix has not written yet (it writes each one a step late)."""
+    losses = list(metric_history(trainer.metrics_logger, trainer.metrics_prefix, "loss"))
+    pending = getattr(trainer, "_prev_buffered_train_metrics", None)
+    if pending is not None:
+        losses.append(float(pending.loss))
+    return [{"step": start_step + i + 1, "loss": float(v)} for i, v in enumerate(losses)]
+
+
+def record_history_with_checkpoints(trainer, ckpt_dir: epath.Path, history: list[dict], start_step: int) -> None:
+    """Writes the loss history whenever a checkpoint is saved, so a killed run's curve survives with it."""
+    manager = trainer.checkpoint_manager
+    save = manager.save
+
+    def save_and_record(step, *args, **kwargs):
+        saved = save(step, *args, **kwargs)
+        if saved:
+            save_history(ckpt_dir, history + new_losses(trainer, start_step))
+        return saved
+
+    manager.save = save_and_record

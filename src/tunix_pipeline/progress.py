@@ -1,0 +1,97 @@
+"""Progress of long work (SFT, preference, GRPO, generation): step, loss, tokens/s and time left.
+
+In a terminal or a notebook a tqdm bar shows it: Tunix's own trainer bar (to which
+`training.trainer_class` adds tokens/s), or ours for generation. Where nothing is
+interactive (a log file, a batch job, a notebook run as a script) a bar draws
+nothing, so a line is logged every `every` steps and at least once a minute, e.g.
+`sft: step 40/1000 (4%), loss 1.2345, 5,432 tokens/s, 1:23:45 left`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import sys
+import time
+
+log = logging.getLogger(__name__)
+
+
+def interactive() -> bool:
+    """Where a tqdm bar shows: a terminal on stderr, or IPython (the rule Tunix's trainer bar follows)."""
+    ipython = sys.modules.get("IPython")
+    if ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None:
+        return True
+    return sys.stderr.isatty()
+
+
+class Progress:
+    """Reports steps `start+1 … total` of `label`: a bar (`bar=True`, interactive only), else log lines."""
+
+    def __init__(self, label: str, total: int, start: int = 0, every: int | None = None, bar: bool = False,
+                 unit: str = "step", seconds: float = 60.0):
+        self.label, self.total, self.unit, self.seconds = label, total, unit, seconds
+        self.every = every or max(1, (total - start) // 20)
+        self.lines = not interactive()
+        self.bar = None
+        if bar and not self.lines:
+            from tqdm import auto
+
+            self.bar = auto.tqdm(total=total, initial=start, desc=label, unit=unit, dynamic_ncols=True)
+        self.first: tuple[int, float] | None = None  # (step, time) of the first report: timing starts there
+        self.printed: tuple[int, float] = (start, time.perf_counter())
+
+    def update(self, step: int, loss: float | None = None, tokens_per_sec: float | None = None) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = (step, now)  # its step compiled: the rate is timed from here on
+        if self.bar is not None:
+            self.bar.set_postfix({k: v for k, v in (("loss", loss), ("tokens/s", tokens_per_sec)) if v is not None})
+            self.bar.update(step - self.bar.n)
+        if not self.lines:
+            return
+        last_step, last_time = self.printed
+        due = step - last_step >= self.every or now - last_time >= self.seconds or step >= self.total
+        if step == self.first[0] or due:
+            self.printed = (step, now)
+            log.info("%s", self.line(step, now, loss, tokens_per_sec))
+
+    def line(self, step: int, now: float, loss: float | None, tokens_per_sec: float | None) -> str:
+        parts = [f"{self.label}: {self.unit} {step}/{self.total} ({step / max(self.total, 1):.0%})"]
+        if loss is not None:
+            parts.append(f"loss {loss:.4f}")
+        if tokens_per_sec is not None:
+            parts.append(f"{tokens_per_sec:,.0f} tokens/s")
+        first_step, first_time = self.first
+        if step > first_step:
+            left = (now - first_time) / (step - first_step) * (self.total - step)
+            parts.append(f"{datetime.timedelta(seconds=round(left))} left")
+        return ", ".join(parts)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def training_hooks(label: str):
+    """A Tunix `TrainingHooks` reporting each step of the trainer it is attached to (GRPO's actor: no tokens/s)."""
+    from tunix.sft import hooks
+
+    class Report(hooks.TrainingHooks):
+        def __init__(self):
+            self.progress: Progress | None = None
+
+        def on_train_start(self, trainer):
+            if self.progress is None:  # RL trainers start once per rollout batch: one report for the run
+                self.progress = Progress(label, trainer.config.max_steps, trainer.train_steps)
+
+        def on_train_step_end(self, trainer, train_step, train_loss):
+            loss = None if train_loss is None else float(train_loss)
+            self.progress.update(train_step, loss)
+
+        def on_train_end(self, trainer): ...
+        def on_train_step_start(self, trainer): ...
+        def on_eval_step_start(self, trainer): ...
+        def on_eval_step_end(self, trainer, eval_loss): ...
+
+    return Report()
