@@ -39,26 +39,16 @@ def write_gemma_folder(out_dir: str | Path, spec: dict, seed: int = 0) -> Path:
     from safetensors.numpy import save_file
     from transformers import GemmaConfig
 
-    from tunix_pipeline.models.tiny import _random_gemma_weights
+    from tunix_pipeline.config import TinyModelParams
+    from tunix_pipeline.models.tiny import hf_config, random_gemma_weights
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = GemmaConfig(
-        vocab_size=spec["vocab_size"],
-        hidden_size=spec["hidden_size"],
-        intermediate_size=spec["intermediate_size"],
-        num_hidden_layers=spec["num_layers"],
-        num_attention_heads=spec["num_heads"],
-        num_key_value_heads=spec["num_kv_heads"],
-        head_dim=spec["head_dim"],
-        max_position_embeddings=8192,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-        tie_word_embeddings=True,
-    )
+    fields = hf_config(TinyModelParams(**spec), spec["vocab_size"])  # the vocabulary as given, not padded
+    fields.pop("model_type")
+    config = GemmaConfig(**fields, pad_token_id=0, eos_token_id=1, bos_token_id=2)
     config.save_pretrained(out)
-    save_file(_random_gemma_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(random_gemma_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 

@@ -84,10 +84,10 @@ def _one_device_mesh():
     """The pipeline's mesh (`runtime.mesh: auto`) over one device: the first one JAX has."""
     import jax
 
-    from tunix_pipeline import training
+    from tunix_pipeline import runtime
     from tunix_pipeline.config import RuntimeParams
 
-    return training.make_mesh(RuntimeParams(mesh="auto"), devices=jax.devices()[:1])
+    return runtime.make_mesh(RuntimeParams(mesh="auto"), devices=jax.devices()[:1])
 
 
 def _series(name: str) -> list[float]:

@@ -123,7 +123,7 @@ def worker(args) -> dict:
     from tunix.sft import metrics_logger, peft_trainer
 
     from benchmarks.cpu_sft import _Recorder, _series, _sft_params, tunix_model_input_fn
-    from tunix_pipeline import training
+    from tunix_pipeline import runtime, training
     from tunix_pipeline.optim import make_optimizer
     from tunix_pipeline.config import RuntimeParams
 
@@ -131,7 +131,7 @@ def worker(args) -> dict:
     _Recorder.events = []
     timer = common.CompileTimer()
     device = jax.devices()[0]
-    mesh = training.make_mesh(RuntimeParams(mesh="auto"), devices=[device])
+    mesh = runtime.make_mesh(RuntimeParams(mesh="auto"), devices=[device])
     with tempfile.TemporaryDirectory() as tmp:
         sft = _sft_params(args, str(Path(tmp) / "ckpt"))
         with mesh:

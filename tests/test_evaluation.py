@@ -148,7 +148,7 @@ def test_empty_eval_split_gives_a_report_not_a_crash():
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
     from tunix_pipeline.models import load_model
-    from tunix_pipeline.training import make_mesh
+    from tunix_pipeline.runtime import make_mesh
 
     mesh = make_mesh(MESH)
     model, _ = load_model(tiny_model_dir, mesh, "float32")

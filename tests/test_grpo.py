@@ -11,7 +11,7 @@ from flax import nnx
 
 from tunix_pipeline import grpo, tracking
 from tunix_pipeline.config import GrpoParams, LoraParams, RuntimeParams
-from tunix_pipeline.training import make_mesh
+from tunix_pipeline.runtime import make_mesh
 
 MESH = RuntimeParams(mesh={"fsdp": 4, "tp": 2})
 

@@ -41,7 +41,7 @@ def setup(tiny_model_dir, tmp_path_factory):
     from tunix_pipeline.formatting import format_records
     from tunix_pipeline.ingest import ingest
     from tunix_pipeline.models import export_pretrained, load_pretrained
-    from tunix_pipeline.training import make_mesh
+    from tunix_pipeline.runtime import make_mesh
 
     from .conftest import ROOT
 

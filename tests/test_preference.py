@@ -212,7 +212,7 @@ def test_dpo_resumes_and_precomputed_reference_equals_the_reference_model(tmp_pa
     from tunix_pipeline import preference
     from tunix_pipeline.config import RuntimeParams
     from tunix_pipeline.models import load_model
-    from tunix_pipeline.training import make_mesh
+    from tunix_pipeline.runtime import make_mesh
 
     mesh = make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
     pairs, _ = preference.tokenize_pairs(_formatted_pairs(tokenizer), tokenizer, _params(tmp_path))
@@ -243,7 +243,7 @@ def test_orpo_with_lora_trains_only_the_adapters(tmp_path, tiny_model_dir, token
     from tunix_pipeline import preference
     from tunix_pipeline.config import LoraParams, RuntimeParams
     from tunix_pipeline.models import apply_lora, load_model
-    from tunix_pipeline.training import make_mesh
+    from tunix_pipeline.runtime import make_mesh
 
     mesh = make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
     pairs, _ = preference.tokenize_pairs(_formatted_pairs(tokenizer), tokenizer, _params(tmp_path))
@@ -284,7 +284,7 @@ def test_pairs_from_rewards_keep_best_and_worst_beyond_the_margin(tmp_path, tiny
     from tunix_pipeline.formatting import end_of_turn
     from tunix_pipeline.models import load_model
     from tunix_pipeline.rewards import RewardSet
-    from tunix_pipeline.training import make_mesh
+    from tunix_pipeline.runtime import make_mesh
 
     mesh = make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
     model, _ = load_model(tiny_model_dir, mesh, "float32")
@@ -403,7 +403,7 @@ def test_sessions_hand_on_the_last_stage_of_the_previous_session(tmp_path):
 def test_too_few_pairs_stop_before_any_weights_load(tmp_path, tokenizer):
     from tunix_pipeline import preference
     from tunix_pipeline.config import RuntimeParams
-    from tunix_pipeline.training import make_mesh
+    from tunix_pipeline.runtime import make_mesh
 
     mesh = make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
     with pytest.raises(preference.PreferenceError,

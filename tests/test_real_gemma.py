@@ -22,8 +22,9 @@ from tunix_pipeline.models.gguf import sha256_file
 from tunix_pipeline.models.hub import read_hf_config
 from tunix_pipeline.planning.architecture import from_hf_config
 from tunix_pipeline.planning.architecture import resolve as resolve_architecture
+from tunix_pipeline.runtime import make_mesh
 from tunix_pipeline.tokenization import tokenize_split
-from tunix_pipeline.training import make_mesh, train
+from tunix_pipeline.training import train
 
 from .parity import logits_atol
 

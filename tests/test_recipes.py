@@ -332,14 +332,14 @@ def test_a_misconfigured_recipe_fails_with_a_clear_message(params):
     with pytest.raises(PlanError, match="needs the number of training rows to plan the steps: set plan.train_rows"):
         build_plan(p["model"], p["sft"], p["runtime"], p["tokenize"], p["plan"].model_copy(update={"train_rows": None}))
     # the pod recipe started on one worker without runtime.distributed=auto: it sees its own chips only
-    from tunix_pipeline.training import MeshError, make_mesh
+    from tunix_pipeline.runtime import MeshError, make_mesh
 
     with pytest.raises(MeshError, match=r"needs 32 devices but JAX sees 8.*runtime\.distributed=auto"):
         make_mesh(params["v4_64_pod"]["runtime"])
 
 
 def test_training_by_epochs_runs_those_steps_and_ends_at_a_barrier(tiny_model_dir, tmp_path, monkeypatch):
-    from tunix_pipeline import checkpoints, training
+    from tunix_pipeline import checkpoints, runtime, training
     from tunix_pipeline.models import load_model
 
     from .test_export import _rows
@@ -347,7 +347,7 @@ def test_training_by_epochs_runs_those_steps_and_ends_at_a_barrier(tiny_model_di
     barriers = []
     monkeypatch.setattr(training, "_sync", barriers.append)
     rows = _rows(n=16, length=24)  # micro-batches of 4 rows on the fsdp 4 x tp 2 mesh: 4 an epoch
-    mesh = training.make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
+    mesh = runtime.make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
     model, _ = load_model(tiny_model_dir, mesh)
     sft = SftParams(max_steps=None, epochs=1.5, per_device_batch_size=1, gradient_accumulation_steps=2,
                     learning_rate=1e-2, checkpoint_every=100, checkpoint_dir=str(tmp_path / "ckpt"))

@@ -181,8 +181,9 @@ def test_a_lora_run_starts_from_another_runs_adapters(tmp_path, tiny_model_dir, 
     from tunix_pipeline.checkpoints import start_from
     from tunix_pipeline.config import ModelParams, SftParams, TokenizeParams
     from tunix_pipeline.models import load_run_model
+    from tunix_pipeline.runtime import make_mesh
     from tunix_pipeline.tokenization import tokenize_split
-    from tunix_pipeline.training import make_mesh, train
+    from tunix_pipeline.training import train
 
     from .test_training import MESH
 

@@ -17,16 +17,13 @@ from tunix_pipeline.checkpoints import restore_latest
 from tunix_pipeline.config import RuntimeParams, SftParams, TokenizeParams
 from tunix_pipeline.models import compute_logits, load_model
 from tunix_pipeline.optim import make_optimizer
+from tunix_pipeline.runtime import MeshError, global_batch_size, make_mesh, process_rows
 from tunix_pipeline.tokenization import token_arrays, tokenize_split
 from tunix_pipeline.training import (
     BatchFeed,
-    MeshError,
     completion_loss,
     evaluate_loss,
-    global_batch_size,
-    make_mesh,
     model_inputs,
-    process_rows,
     train,
 )
 

@@ -14,8 +14,9 @@ from tunix_pipeline.errors import UserError
 from tunix_pipeline.models import load_model, load_pretrained
 from tunix_pipeline.paths import storage_path
 from tunix_pipeline.pipelines.export.nodes import export_model
+from tunix_pipeline.runtime import make_mesh
 from tunix_pipeline.sessions import Ledger, apply_current_session
-from tunix_pipeline.training import make_mesh, train
+from tunix_pipeline.training import train
 
 from . import fake_gcs
 from .test_export import _rows

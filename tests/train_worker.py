@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from tunix_pipeline import training  # noqa: E402
+from tunix_pipeline import runtime, training  # noqa: E402
 from tunix_pipeline.config import RuntimeParams, SftParams  # noqa: E402
 from tunix_pipeline.models import load_model  # noqa: E402
 
@@ -39,7 +39,7 @@ if spec.get("seconds_per_step"):  # slow steps, so that a test can interrupt the
 
     training.BatchFeed.load_next_train_batch = slow_fetch
 
-mesh = training.make_mesh(RuntimeParams(mesh=spec["mesh"]))
+mesh = runtime.make_mesh(RuntimeParams(mesh=spec["mesh"]))
 model, _ = load_model(spec["model_dir"], mesh)
 rows = pd.read_parquet(spec["rows"])
 sft = SftParams(**spec["sft"])

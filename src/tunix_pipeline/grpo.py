@@ -115,7 +115,7 @@ def train_grpo(
     from tunix.rl.rollout import base_rollout
 
     from tunix_pipeline.evaluation import end_tokens
-    from tunix_pipeline.training import BATCH_AXES, data_parallel_size
+    from tunix_pipeline.runtime import BATCH_AXES, data_parallel_size
 
     sequences = params.batch_size * params.num_generations
     if sequences % data_parallel_size(mesh):

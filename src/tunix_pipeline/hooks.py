@@ -72,7 +72,7 @@ class ProjectHooks:
         import jax
 
         from tunix_pipeline import tracking
-        from tunix_pipeline.training import make_mesh
+        from tunix_pipeline.runtime import make_mesh
 
         self._results, self._started = {}, 0.0  # the hooks object outlives a run (notebooks, tests): nothing carries over
         trains = "train_sft" in {node.name for node in pipeline.nodes}

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -80,3 +81,19 @@ def local_folder(destination: str | os.PathLike, setting: str = "path"):
         for name in names:
             with (local / name).open("rb") as src, (target / name).open("wb") as out:
                 shutil.copyfileobj(src, out)
+
+
+@contextmanager
+def atomic_folder(out: str | Path) -> Iterator[Path]:
+    """A temporary folder beside `out`, moved into its place only if the block succeeds:
+    a failure never leaves a half-written model."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

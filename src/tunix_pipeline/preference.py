@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 from flax import nnx
 
-from tunix_pipeline import checkpoints
+from tunix_pipeline import checkpoints, runtime
 from tunix_pipeline.config import PreferenceParams
 from tunix_pipeline.errors import UserError
 from tunix_pipeline.optim import make_optimizer
@@ -235,7 +235,7 @@ def pair_logps(model, rows: pd.DataFrame, batch_size: int, mesh) -> dict[str, np
     from jax.experimental import multihost_utils
     from tunix.sft import sharding_utils
 
-    from tunix_pipeline.training import BATCH_AXES, process_rows
+    from tunix_pipeline.runtime import BATCH_AXES, process_rows
 
     arrays = {c: a for c, a in pair_arrays(rows).items() if c in PAIR_TOKEN_COLUMNS}
     local = process_rows(mesh, batch_size)  # each process feeds its share of every batch, as in training
@@ -274,7 +274,7 @@ def heldout_accuracy(model, rows: pd.DataFrame, params: PreferenceParams, batch_
 # ---------------------------------------------------------------- the run
 def check_enough_pairs(pairs: int, params: PreferenceParams, mesh, dropped: dict | None = None) -> int:
     """The global batch (pairs per step); a `PreferenceError` when the training pairs cannot fill one."""
-    from tunix_pipeline.training import data_parallel_size
+    from tunix_pipeline.runtime import data_parallel_size
 
     batch_size = params.per_device_batch_size * data_parallel_size(mesh)
     if pairs < batch_size:
@@ -300,7 +300,7 @@ def _trainer_class():
         def _prepare_inputs(self, batch):
             from tunix.sft import sharding_utils
 
-            from tunix_pipeline.training import BATCH_AXES
+            from tunix_pipeline.runtime import BATCH_AXES
 
             # each process's rows as one global batch first: the reference model's pass and the concatenation
             # of chosen and rejected rows then run on the mesh, as on one host
@@ -337,7 +337,7 @@ def train_preference(
 
     sft = params.as_sft()  # the optimizer, schedule and checkpoint settings, as SFT reads them
     batch_size = check_enough_pairs(len(train_pairs), params, mesh)
-    local = training.process_rows(mesh, batch_size)
+    local = runtime.process_rows(mesh, batch_size)
     ckpt_dir = storage_path(params.checkpoint_dir, "preference.checkpoint_dir")
     dpo = params.method == "dpo"
     eval_reference = pair_logps(model, eval_pairs, batch_size, mesh) if dpo and len(eval_pairs) else None
@@ -362,7 +362,7 @@ def train_preference(
         checkpoint_root_directory=str(ckpt_dir),
         checkpointing_options=checkpoints.options(sft.checkpoint_every, sft.keep_checkpoints),
         metrics_logging_options=options,
-        data_sharding_axis=training.BATCH_AXES,
+        data_sharding_axis=runtime.BATCH_AXES,
         metrics_prefix=METRICS_PREFIX,
         pbar_description=params.method,
     )

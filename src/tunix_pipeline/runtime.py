@@ -1,6 +1,6 @@
-"""Process-level JAX set-up (before JAX picks its devices), and what multi-host runs need afterwards:
-reading sharded arrays on the host, barriers, files written by process 0 alone, and folders that
-every process must share."""
+"""Process-level JAX set-up (before JAX picks its devices), the device mesh and each process's share
+of a batch, and what multi-host runs need afterwards: reading sharded arrays on the host, barriers,
+files written by process 0 alone, and folders that every process must share."""
 
 from __future__ import annotations
 
@@ -13,10 +13,14 @@ from typing import TypeVar
 
 import numpy as np
 
+from tunix_pipeline.config import RuntimeParams, SftParams
 from tunix_pipeline.errors import UserError
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+MESH_AXES = ("data", "fsdp", "tp")
+# the batch dimension is split over every data-parallel axis
+BATCH_AXES = (("data", "fsdp"),)
 
 FAKE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
@@ -227,3 +231,54 @@ def _allgather_text(text: str, size: int = 4096) -> list[str]:
     buffer[:len(data)] = np.frombuffer(data, np.uint8)
     gathered = np.asarray(multihost_utils.process_allgather(buffer))
     return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in gathered]
+
+
+class MeshError(UserError, ValueError):
+    """A mesh or batch size that does not fit the devices."""
+
+
+# ---------------------------------------------------------------- mesh
+def make_mesh(runtime: RuntimeParams, devices=None) -> jax.sharding.Mesh:
+    """A (data, fsdp, tp) mesh over all devices; every axis exists (Tunix's shardings name fsdp and tp)."""
+    import jax  # imported where used, as everywhere in this module
+
+    devices = devices if devices is not None else jax.devices()
+    if runtime.mesh == "auto":
+        shape = {"data": 1, "fsdp": len(devices), "tp": 1}
+    else:
+        shape = {axis: runtime.mesh.get(axis, 1) for axis in MESH_AXES}
+    size = int(np.prod(list(shape.values())))
+    if size != len(devices):
+        # a pod slice seen from one worker: its processes were not joined into one JAX runtime
+        pod = size > len(devices) and jax.process_count() == 1
+        raise MeshError(
+            f"runtime.mesh {shape} needs {size} devices but JAX sees {len(devices)} "
+            f"({devices[0].platform}); set `runtime.mesh: auto` or sizes whose product is {len(devices)}"
+            + ("; on a multi-host slice start every worker with `--params runtime.distributed=auto`" if pod else "")
+        )
+    return jax.make_mesh(
+        tuple(shape.values()), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices
+    )
+
+
+def data_parallel_size(mesh: jax.sharding.Mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def global_batch_size(sft: SftParams, mesh: jax.sharding.Mesh) -> int:
+    """Rows per micro-batch: per-device batch times the data-parallel devices (tp devices share rows)."""
+    return sft.per_device_batch_size * data_parallel_size(mesh)
+
+
+def process_rows(mesh: jax.sharding.Mesh, batch_size: int) -> slice:
+    """The rows of each global batch that this process feeds to its own devices."""
+    import jax  # imported where used, as everywhere in this module
+
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*BATCH_AXES))
+    spans = sorted(
+        {(s[0].start or 0, s[0].stop or batch_size) for s in sharding.addressable_devices_indices_map((batch_size,)).values()}
+    )
+    start, stop = spans[0][0], spans[-1][1]
+    if sum(b - a for a, b in spans) != stop - start:
+        raise MeshError(f"this process's devices hold non-contiguous rows {spans} of the batch")
+    return slice(start, stop)

@@ -31,69 +31,20 @@ from etils import epath
 from flax import nnx
 
 from tunix_pipeline import checkpoints
-from tunix_pipeline.config import RuntimeParams, SftParams
+from tunix_pipeline.config import SftParams
 from tunix_pipeline.errors import UserError
 from tunix_pipeline.optim import make_optimizer
 from tunix_pipeline.paths import storage_path
 from tunix_pipeline.progress import Progress
+from tunix_pipeline.runtime import BATCH_AXES, MeshError, global_batch_size, process_rows
 from tunix_pipeline.runtime import barrier as _sync
 from tunix_pipeline.tokenization import token_arrays
 
 log = logging.getLogger(__name__)
-MESH_AXES = ("data", "fsdp", "tp")
-# the batch dimension is split over every data-parallel axis
-BATCH_AXES = (("data", "fsdp"),)
-
-
-class MeshError(UserError, ValueError):
-    """A mesh or batch size that does not fit the devices."""
 
 
 class TrainingInterrupted(RuntimeError):
     """SIGTERM (preemption) stopped training after a checkpoint was saved."""
-
-
-# ---------------------------------------------------------------- mesh
-def make_mesh(runtime: RuntimeParams, devices=None) -> jax.sharding.Mesh:
-    """A (data, fsdp, tp) mesh over all devices; every axis exists (Tunix's shardings name fsdp and tp)."""
-    devices = devices if devices is not None else jax.devices()
-    if runtime.mesh == "auto":
-        shape = {"data": 1, "fsdp": len(devices), "tp": 1}
-    else:
-        shape = {axis: runtime.mesh.get(axis, 1) for axis in MESH_AXES}
-    size = int(np.prod(list(shape.values())))
-    if size != len(devices):
-        # a pod slice seen from one worker: its processes were not joined into one JAX runtime
-        pod = size > len(devices) and jax.process_count() == 1
-        raise MeshError(
-            f"runtime.mesh {shape} needs {size} devices but JAX sees {len(devices)} "
-            f"({devices[0].platform}); set `runtime.mesh: auto` or sizes whose product is {len(devices)}"
-            + ("; on a multi-host slice start every worker with `--params runtime.distributed=auto`" if pod else "")
-        )
-    return jax.make_mesh(
-        tuple(shape.values()), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices
-    )
-
-
-def data_parallel_size(mesh: jax.sharding.Mesh) -> int:
-    return mesh.shape["data"] * mesh.shape["fsdp"]
-
-
-def global_batch_size(sft: SftParams, mesh: jax.sharding.Mesh) -> int:
-    """Rows per micro-batch: per-device batch times the data-parallel devices (tp devices share rows)."""
-    return sft.per_device_batch_size * data_parallel_size(mesh)
-
-
-def process_rows(mesh: jax.sharding.Mesh, batch_size: int) -> slice:
-    """The rows of each global batch that this process feeds to its own devices."""
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*BATCH_AXES))
-    spans = sorted(
-        {(s[0].start or 0, s[0].stop or batch_size) for s in sharding.addressable_devices_indices_map((batch_size,)).values()}
-    )
-    start, stop = spans[0][0], spans[-1][1]
-    if sum(b - a for a, b in spans) != stop - start:
-        raise MeshError(f"this process's devices hold non-contiguous rows {spans} of the batch")
-    return slice(start, stop)
 
 
 # ---------------------------------------------------------------- data

@@ -26,7 +26,7 @@ import numpy as np
 from tunix_pipeline.models.errors import ModelError
 from tunix_pipeline.models.families import family_for
 from tunix_pipeline.models.gguf import GEMMAS, MODEL_TYPES, PRE_TOKENIZERS
-from tunix_pipeline.models.hub import atomic_folder
+from tunix_pipeline.paths import atomic_folder
 
 ARCHITECTURES = {model_type: arch for arch, model_type in MODEL_TYPES.items()}  # model_type -> llama.cpp arch
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")

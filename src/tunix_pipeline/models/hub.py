@@ -3,12 +3,11 @@ package holding a GGUF file, the HF hub, or Kaggle."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 from tunix_pipeline.config import ModelParams
@@ -148,19 +147,3 @@ def load_tokenizer(folder: str | Path):
     if not any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         return None
     return AutoTokenizer.from_pretrained(str(folder))
-
-
-@contextlib.contextmanager
-def atomic_folder(out: str | Path) -> Iterator[Path]:
-    """A temporary folder beside `out`, moved into its place only if the block succeeds:
-    a failure never leaves a half-written model."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

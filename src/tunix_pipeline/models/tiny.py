@@ -9,9 +9,31 @@ import numpy as np
 
 from tunix_pipeline.config import TinyModelParams
 from tunix_pipeline.models.errors import ModelError
-from tunix_pipeline.models.hub import atomic_folder
+from tunix_pipeline.paths import atomic_folder
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+
+
+def padded_vocab(tokens: int) -> int:
+    """Embedding rows for `tokens` tokens: rounded up to a multiple of 64 (like Gemma's 256128 rows for
+    256000 tokens), so the embedding shards evenly over the tensor-parallel axis."""
+    return -(-tokens // 64) * 64
+
+
+def hf_config(spec: TinyModelParams, vocab_size: int) -> dict:
+    """The tiny model's config.json fields (the builder adds the tokenizer's special-token ids)."""
+    return {
+        "model_type": "gemma",
+        "vocab_size": vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+    }
 
 
 def build_tiny_gemma(out_dir: str | Path, corpus: Iterable[str], spec: TinyModelParams) -> Path:
@@ -48,24 +70,14 @@ def build_tiny_gemma(out_dir: str | Path, corpus: Iterable[str], spec: TinyModel
         unk_token="<unk>",
         additional_special_tokens=["<start_of_turn>", "<end_of_turn>"],
     )
-    # Round the embedding up (like Gemma's 256128 rows for 256000 tokens) so it
-    # shards evenly over the tensor-parallel axis.
-    vocab = -(-len(tokenizer) // 64) * 64
+    fields = {k: v for k, v in hf_config(spec, padded_vocab(len(tokenizer))).items() if k != "model_type"}
     config = GemmaConfig(
-        vocab_size=vocab,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=8192,
+        **fields,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
     )
-    weights = _random_gemma_weights(config, spec.seed)
+    weights = random_gemma_weights(config, spec.seed)
 
     with atomic_folder(out_dir) as tmp:
         tokenizer.save_pretrained(tmp)
@@ -74,7 +86,7 @@ def build_tiny_gemma(out_dir: str | Path, corpus: Iterable[str], spec: TinyModel
     return Path(out_dir)
 
 
-def _random_gemma_weights(config, seed: int) -> dict[str, np.ndarray]:
+def random_gemma_weights(config, seed: int) -> dict[str, np.ndarray]:
     """Transformers' Gemma layout and init: normal(0, initializer_range), norms 0 (Gemma scales by 1 + w)."""
     rng = np.random.default_rng(seed)
     std = config.initializer_range

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from pathlib import Path
 
@@ -192,22 +191,10 @@ def _period(pattern: list) -> int:
 
 
 def tiny_hf_config(model: ModelParams) -> dict:
-    """The config.json `tiny` will be built with (vocabulary rounded up to a multiple of 64, as the builder does)."""
-    spec = model.tiny
-    return {
-        "model_type": "gemma",
-        "vocab_size": math.ceil(spec.vocab_size / 64) * 64,
-        "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": spec.num_heads,
-        "num_key_value_heads": spec.num_kv_heads,
-        "head_dim": spec.head_dim,
-        "tie_word_embeddings": True,
-        "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-6,
-        "hidden_act": "gelu_pytorch_tanh",
-    }
+    """The config.json `tiny` will be built with (its vocabulary padded as the builder pads it)."""
+    from tunix_pipeline.models.tiny import hf_config, padded_vocab
+
+    return hf_config(model.tiny, padded_vocab(model.tiny.vocab_size))
 
 
 def resolve(model: ModelParams, known: dict[str, dict] | None = None, folder: str | Path | None = None) -> Architecture:

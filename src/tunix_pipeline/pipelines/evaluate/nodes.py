@@ -7,7 +7,7 @@ from tunix_pipeline import harness as harness_lib
 from tunix_pipeline.checkpoints import restore_required
 from tunix_pipeline.config import EvaluateParams, ModelParams, RuntimeParams
 from tunix_pipeline.models import load_run_model, load_tokenizer
-from tunix_pipeline.training import make_mesh
+from tunix_pipeline.runtime import make_mesh
 
 log = logging.getLogger(__name__)
 

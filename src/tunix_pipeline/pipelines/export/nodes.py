@@ -6,7 +6,7 @@ from tunix_pipeline.config import ExportParams, FormatParams, ModelParams, Runti
 from tunix_pipeline.models import export_pretrained, load_run_model, load_tokenizer
 from tunix_pipeline.models.gguf_export import tuned_chat_template
 from tunix_pipeline.paths import local_folder, storage_path
-from tunix_pipeline.training import make_mesh
+from tunix_pipeline.runtime import make_mesh
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from tunix_pipeline.config import GrpoParams, ModelParams, RuntimeParams, Tracki
 from tunix_pipeline.grpo import train_grpo
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
 from tunix_pipeline.rewards import RewardSet
+from tunix_pipeline.runtime import make_mesh
 from tunix_pipeline.tracking import metrics_backends
-from tunix_pipeline.training import make_mesh
 
 
 def run_grpo(

@@ -14,8 +14,8 @@ from tunix_pipeline.ingest import ingest
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
 from tunix_pipeline.planning import peak_flops_per_device
 from tunix_pipeline.rewards import RewardSet
+from tunix_pipeline.runtime import make_mesh
 from tunix_pipeline.tracking import metrics_backends
-from tunix_pipeline.training import make_mesh
 
 log = logging.getLogger(__name__)
 
