@@ -15,17 +15,12 @@ from flax import nnx
 
 from tunix_pipeline.checkpoints import restore_latest
 from tunix_pipeline.config import RuntimeParams, SftParams, TokenizeParams
+from tunix_pipeline.loss import completion_loss, model_inputs
 from tunix_pipeline.models import compute_logits, load_model
 from tunix_pipeline.optim import make_optimizer
 from tunix_pipeline.runtime import MeshError, global_batch_size, make_mesh, process_rows
 from tunix_pipeline.tokenization import token_arrays, tokenize_split
-from tunix_pipeline.training import (
-    BatchFeed,
-    completion_loss,
-    evaluate_loss,
-    model_inputs,
-    train,
-)
+from tunix_pipeline.training import BatchFeed, evaluate_loss, train
 
 from .conftest import ROOT
 from .parity import EPS, logits_atol
@@ -157,7 +152,7 @@ def test_packed_rows_give_the_same_loss_as_unpacked(tiny_model_dir, tokenizer, f
     assert len(packed) < len(plain) / 2
 
     def nll(rows):
-        from tunix_pipeline.training import token_nll
+        from tunix_pipeline.loss import token_nll
 
         out = [token_nll(model, **_batch(rows.iloc[i : i + 1], 1)) for i in range(len(rows))]
         return sum(float(s) for s, _ in out), sum(float(c) for _, c in out)

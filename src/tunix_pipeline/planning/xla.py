@@ -129,7 +129,7 @@ def compile_step(arch: Architecture, setup: TrainSetup, layers: int | None = Non
     from tunix_pipeline.tokenization import TOKEN_COLUMNS
     from tunix_pipeline.optim import make_optimizer
     from tunix_pipeline.runtime import BATCH_AXES, make_mesh
-    from tunix_pipeline.training import loss_fn_for, model_inputs
+    from tunix_pipeline.loss import loss_fn_for, model_inputs
 
     layers = layers or arch.num_layers
     family, cfg = _tunix_config(arch, layers, setup.remat)
