@@ -3,7 +3,8 @@
 In a terminal or a notebook a tqdm bar shows it: Tunix's own trainer bar (to which
 `training.trainer_class` adds tokens/s), or ours for generation. Where nothing is
 interactive (a log file, a batch job, a notebook run as a script) a bar draws
-nothing, so a line is logged every `every` steps and at least once a minute, e.g.
+nothing, so a line is logged every tenth of the run (at most one each `min_seconds`)
+and at least once a minute, e.g.
 `sft: step 40/1000 (4%), loss 1.2345, 5,432 tokens/s, 1:23:45 left`.
 """
 
@@ -29,9 +30,10 @@ class Progress:
     """Reports steps `start+1 … total` of `label`: a bar (`bar=True`, interactive only), else log lines."""
 
     def __init__(self, label: str, total: int, start: int = 0, every: int | None = None, bar: bool = False,
-                 unit: str = "step", seconds: float = 60.0):
-        self.label, self.total, self.unit, self.seconds = label, total, unit, seconds
-        self.every = every or max(1, (total - start) // 20)
+                 unit: str = "step", seconds: float = 60.0, min_seconds: float = 10.0):
+        self.label, self.total, self.unit = label, total, unit
+        self.seconds, self.min_seconds = seconds, min_seconds
+        self.every = every or max(1, (total - start) // 10)
         self.lines = not interactive()
         self.bar = None
         if bar and not self.lines:
@@ -51,7 +53,11 @@ class Progress:
         if not self.lines:
             return
         last_step, last_time = self.printed
-        due = step - last_step >= self.every or now - last_time >= self.seconds or step >= self.total
+        due = (
+            step >= self.total
+            or now - last_time >= self.seconds
+            or (step - last_step >= self.every and now - last_time >= self.min_seconds)
+        )
         if step == self.first[0] or due:
             self.printed = (step, now)
             log.info("%s", self.line(step, now, loss, tokens_per_sec))
