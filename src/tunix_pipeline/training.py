@@ -100,6 +100,17 @@ def process_rows(mesh: jax.sharding.Mesh, batch_size: int) -> slice:
     return slice(start, stop)
 
 
+def shard_rows(batch: dict, mesh: jax.sharding.Mesh) -> dict:
+    """This process's rows of a global batch (`process_rows`) as global arrays split over the data axes.
+
+    Not Tunix's `shard_input`: it checks the divisibility on the process's own rows, and where they
+    do not divide over the data-parallel devices (2 rows a process, 4 devices) it replicates them,
+    so each process computes on its own rows as if they were the whole batch.
+    """
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*BATCH_AXES))
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
+
+
 # ---------------------------------------------------------------- data
 class BatchFeed:
     """Batch `i` of a run is a pure function of `i`: seeded epochs of full batches.
