@@ -294,13 +294,11 @@ def _trainer_class():
     class PreferenceTrainer(trainer_class(dpo_trainer.DPOTrainer)):
         """Tunix's DPOTrainer taking precomputed reference log-probabilities from the batch when it has them."""
 
-        data_mesh = None  # set by train_preference
-
         def _prepare_inputs(self, batch):
             from tunix_pipeline.training import shard_rows
 
-            # each process's rows as one global batch first: the reference model's pass and the concatenation
-            # of chosen and rejected rows then run on the mesh, as on one host
+            # each process's rows as one global batch first (the trainer's `data_mesh`): the reference model's
+            # pass and the concatenation of chosen and rejected rows then run on the mesh, as on one host
             batch = shard_rows(batch, self.data_mesh)
             reference = [batch.pop(c, None) for c in REFERENCE_COLUMNS]
             example = super()._prepare_inputs(batch)

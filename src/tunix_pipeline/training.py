@@ -108,7 +108,8 @@ def shard_rows(batch: dict, mesh: jax.sharding.Mesh) -> dict:
     so each process computes on its own rows as if they were the whole batch.
     """
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*BATCH_AXES))
-    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
+    return {k: v if isinstance(v, jax.Array) and not v.is_fully_addressable  # already global
+            else jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
 
 
 # ---------------------------------------------------------------- data
@@ -284,12 +285,10 @@ def _batch_nll(model, inputs):
 
 def evaluate_loss(model, rows: pd.DataFrame, batch_size: int, mesh) -> dict:
     """Token-weighted eval loss and perplexity over every row."""
-    from tunix.sft import sharding_utils
-
     total, count = 0.0, 0.0
     with mesh:
         for batch in eval_batches(rows, batch_size, process_rows(mesh, batch_size)):
-            inputs = model_inputs(sharding_utils.shard_input(batch, BATCH_AXES))
+            inputs = model_inputs(shard_rows(batch, mesh))
             s, c = _batch_nll(model, inputs)
             total, count = total + float(s), count + float(c)
     loss = total / max(count, 1.0)
@@ -463,7 +462,15 @@ def trainer_class(base=None):
     from tunix.sft import peft_trainer
 
     class Trainer(base or peft_trainer.PeftTrainer):
-        """A Tunix trainer whose jitted steps get `step_compiler_options()`."""
+        """A Tunix trainer whose jitted steps get `step_compiler_options()`, and whose batches (each process's
+        rows) become global arrays on `data_mesh` before Tunix's own `shard_input` sees them (`shard_rows`)."""
+
+        data_mesh = None
+
+        def _prepare_inputs(self, batch):
+            if self.data_mesh is not None and jax.process_count() > 1 and isinstance(batch, dict):
+                batch = shard_rows(batch, self.data_mesh)
+            return super()._prepare_inputs(batch)
 
         def jit_train_and_eval_step(self, skip_jit: bool = False, cache_nnx_graph: bool = False):
             building = not skip_jit and self._jitted_train_step_fn is None
@@ -486,10 +493,12 @@ def _trainer(model, sft: SftParams, mesh, options, ckpt_dir: epath.Path):
         data_sharding_axis=BATCH_AXES,
         pbar_description="sft",
     )
-    return restored_trainer(
+    trainer = restored_trainer(
         lambda: trainer_class()(model, make_optimizer(sft), config, metrics_logger=metrics_logger.MetricsLogger(options)),
         ckpt_dir,
     )
+    trainer.data_mesh = mesh
+    return trainer
 
 
 def restored_trainer(build, ckpt_dir: epath.Path):
