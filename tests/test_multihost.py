@@ -25,7 +25,7 @@ import pytest
 
 from tunix_pipeline.runtime import orbax_folders
 
-from .conftest import copy_project
+from .conftest import ROOT, copy_project
 
 KEDRO = str(Path(sys.executable).parent / "kedro")
 # the shortest run that still goes through every stage: SFT, evaluation, one GRPO step, export
@@ -199,3 +199,89 @@ def test_a_pod_whose_workers_keep_checkpoints_under_their_own_roots_stops_in_sec
         assert "Traceback" not in log
         assert not (tmp_path / f"host{i}" / "02_intermediate").exists()  # no node ran
     assert elapsed < 180, elapsed  # start-up and 5 s, not Orbax's ten minutes
+
+
+# the preference stage alone past a 2-step SFT: DPO on pairs from a file, 4 steps of a pair for each data-parallel device
+PREFERENCE = """
+preference:
+  enabled: true
+  method: dpo
+  pairs: from_data
+  data:
+    sources: [{name: pairs, path: PAIRS, format: preference}]
+    eval_fraction: 0.25
+  max_prompt_length: 64
+  max_response_length: 48
+  per_device_batch_size: 1
+  max_steps: 4
+  learning_rate: 1.0e-3
+  beta: 0.5
+  checkpoint_dir: SHARED/preference
+  checkpoint_every: 2
+  keep_checkpoints: 2
+"""
+
+
+def _pairs_file(path: Path, rows: int) -> Path:
+    """The project's arithmetic problems as pairs: the worked answer chosen, the same with a wrong result rejected."""
+    lines = (ROOT / "data" / "01_raw" / "arith_gsm8k.jsonl").read_text().splitlines()[:rows]
+    with path.open("w") as f:
+        for record in map(json.loads, lines):
+            work, result = record["answer"].rsplit("#### ", 1)
+            wrong = f"{work}#### {int(result) + 1}"
+            f.write(json.dumps({"prompt": record["question"], "chosen": record["answer"], "rejected": wrong}) + "\n")
+    return path
+
+
+def _two_processes(project: Path, params: str, *args: str) -> list[str]:
+    port = _free_port()
+    return _finish(*[
+        _kedro(project, 4, f"{params},runtime.output_root={project.parent}/host{i},"
+               f"runtime.distributed.coordinator_address=127.0.0.1:{port},"
+               f"runtime.distributed.num_processes=2,runtime.distributed.process_id={i}", *args)
+        for i in range(2)
+    ])
+
+
+@pytest.mark.slow
+def test_two_processes_run_dpo_as_one_write_its_checkpoint_once_and_resume_it(tmp_path):
+    project = copy_project(tmp_path / "project")
+    shared = tmp_path / "shared"
+    pairs = _pairs_file(tmp_path / "pairs.jsonl", 64)
+    (project / "conf" / "local" / "parameters_preference.yml").write_text(
+        PREFERENCE.replace("PAIRS", str(pairs)).replace("SHARED", str(shared)))
+    common = (f"sft.max_steps=2,sft.warmup_steps=0,sft.checkpoint_every=2,sft.checkpoint_dir={shared}/sft,"
+              f"grpo.enabled=false,evaluate.num_prompts=4,evaluate.max_new_tokens=8,evaluate.loss_rows=2,"
+              f"tracking.tracking_uri=sqlite:///{shared}/mlflow.db")
+    logs = _two_processes(project, common, "--to-nodes=evaluate_after_preference")
+    assert all("preference.checkpoint_dir, sft.checkpoint_dir: one folder on all 2 processes" in log for log in logs)
+    results = [json.loads((tmp_path / f"host{i}" / "06_models" / "preference_result.json").read_text())
+               for i in range(2)]
+    first, other = results
+    assert (first["processes"], first["mesh"], first["latest_step"]) == (2, {"data": 1, "fsdp": 4, "tp": 2}, 4)
+    assert first["global_batch_size"] == 4  # a pair for each of the 4 data-parallel devices
+    assert first["heldout_pair_accuracy_before"] == 0.5 and first["eval_pairs"] == 16
+    # one global computation: every process reports the same losses, rewards and held-out accuracy, bit for bit
+    assert other["history"] == first["history"] and len(first["history"]) == 4
+    assert other["heldout_pair_accuracy"] == first["heldout_pair_accuracy"]
+    assert first["history"][-1]["rewards/margin"] > 0
+    metrics = [json.loads((tmp_path / f"host{i}" / "08_reporting" / "preference_eval_metrics.json").read_text())
+               for i in range(2)]
+    assert metrics[0]["preference"]["checkpoint_step"] == 4 and metrics[0]["preference"] == metrics[1]["preference"]
+    # Orbax wrote each kept step once into the one shared folder; nothing half-written is left
+    assert sorted(p.name for p in (shared / "preference").iterdir() if p.name.isdigit()) == ["2", "4"]
+    assert not [p for p in (shared / "preference").rglob("*") if "tmp" in p.name]
+    # process 0 alone logs to MLflow: one run, the held-out pair accuracy once before and once after
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{shared}/mlflow.db")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FINISHED"
+    accuracy = client.get_metric_history(run.info.run_id, "preference/eval/pair_accuracy")
+    assert [(m.step, m.value) for m in accuracy] == [(0, 0.5), (4, first["heldout_pair_accuracy"])]
+
+    # both processes restore step 4 from the shared folder and go on to step 6
+    _two_processes(project, f"{common},preference.max_steps=6", "--from-nodes=run_preference",
+                   "--to-nodes=run_preference")
+    resumed = [json.loads((tmp_path / f"host{i}" / "06_models" / "preference_result.json").read_text())
+               for i in range(2)]
+    assert [(r["resumed_from_step"], r["latest_step"]) for r in resumed] == [(4, 6), (4, 6)]
+    assert resumed[0]["history"][:4] == first["history"] and resumed[1]["history"] == resumed[0]["history"]

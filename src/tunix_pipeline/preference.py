@@ -233,9 +233,8 @@ def _example(model, batch: dict):
 def pair_logps(model, rows: pd.DataFrame, batch_size: int, mesh) -> dict[str, np.ndarray]:
     """Summed answer log-probabilities and answer lengths of every pair (the last batch padded and cut off)."""
     from jax.experimental import multihost_utils
-    from tunix.sft import sharding_utils
 
-    from tunix_pipeline.runtime import BATCH_AXES, process_rows
+    from tunix_pipeline.runtime import process_rows, shard_rows
 
     arrays = {c: a for c, a in pair_arrays(rows).items() if c in PAIR_TOKEN_COLUMNS}
     local = process_rows(mesh, batch_size)  # each process feeds its share of every batch, as in training
@@ -245,7 +244,7 @@ def pair_logps(model, rows: pd.DataFrame, batch_size: int, mesh) -> dict[str, np
             batch = {k: v[start : start + batch_size] for k, v in arrays.items()}
             real = len(batch["prompt_ids"])
             batch = {k: np.concatenate([v, np.repeat(v[-1:], batch_size - real, 0)])[local] for k, v in batch.items()}
-            example = _example(model, sharding_utils.shard_input(batch, BATCH_AXES))
+            example = _example(model, shard_rows(batch, mesh))
             values = _sequence_logps_jit(model, example)
             if jax.process_count() > 1:  # every process gets every pair's values
                 values = multihost_utils.process_allgather(values, tiled=True)
@@ -298,13 +297,11 @@ def _trainer_class():
         """Tunix's DPOTrainer taking precomputed reference log-probabilities from the batch when it has them."""
 
         def _prepare_inputs(self, batch):
-            from tunix.sft import sharding_utils
+            from tunix_pipeline.runtime import shard_rows
 
-            from tunix_pipeline.runtime import BATCH_AXES
-
-            # each process's rows as one global batch first: the reference model's pass and the concatenation
-            # of chosen and rejected rows then run on the mesh, as on one host
-            batch = dict(sharding_utils.shard_input(dict(batch), BATCH_AXES))
+            # each process's rows as one global batch first (the trainer's `data_mesh`): the reference model's
+            # pass and the concatenation of chosen and rejected rows then run on the mesh, as on one host
+            batch = shard_rows(batch, self.data_mesh)
             reference = [batch.pop(c, None) for c in REFERENCE_COLUMNS]
             example = super()._prepare_inputs(batch)
             if reference[0] is not None:
@@ -373,6 +370,7 @@ def train_preference(
         trainer = checkpoints.restored_trainer(
             lambda: _trainer_class()(model, reference, make_optimizer(sft.optim), config), ckpt_dir
         )
+        trainer.data_mesh = mesh
         trainer.with_loss_fn(loss_fn_for(params), has_aux=True)
         trainer.with_gen_model_input_fn(lambda example: {"train_example": example})
         trainer._aux_metrics_to_log = {k: np.mean for k in (

@@ -282,3 +282,18 @@ def process_rows(mesh: jax.sharding.Mesh, batch_size: int) -> slice:
     if sum(b - a for a, b in spans) != stop - start:
         raise MeshError(f"this process's devices hold non-contiguous rows {spans} of the batch")
     return slice(start, stop)
+
+
+def shard_rows(batch: dict, mesh: jax.sharding.Mesh) -> dict:
+    """This process's rows of a global batch (`process_rows`) as global arrays split over the data axes.
+
+    Not Tunix's `shard_input`: it checks the divisibility on the process's own rows, and where they
+    do not divide over the data-parallel devices (2 rows a process, 4 devices) it replicates them,
+    so each process computes on its own rows as if they were the whole batch.
+    """
+    import jax
+    import numpy as np
+
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*BATCH_AXES))
+    return {k: v if isinstance(v, jax.Array) and not v.is_fully_addressable  # already global
+            else jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}

@@ -34,7 +34,7 @@ from tunix_pipeline.loss import loss_fn_for, model_inputs, token_nll
 from tunix_pipeline.optim import make_optimizer
 from tunix_pipeline.paths import storage_path
 from tunix_pipeline.progress import Progress
-from tunix_pipeline.runtime import BATCH_AXES, MeshError, global_batch_size, process_rows
+from tunix_pipeline.runtime import BATCH_AXES, MeshError, global_batch_size, process_rows, shard_rows
 from tunix_pipeline.runtime import barrier as _sync
 from tunix_pipeline.tokenization import token_arrays
 
@@ -153,12 +153,10 @@ def _batch_nll(model, inputs):
 
 def evaluate_loss(model, rows: pd.DataFrame, batch_size: int, mesh) -> dict:
     """Token-weighted eval loss and perplexity over every row."""
-    from tunix.sft import sharding_utils
-
     total, count = 0.0, 0.0
     with mesh:
         for batch in eval_batches(rows, batch_size, process_rows(mesh, batch_size)):
-            inputs = model_inputs(sharding_utils.shard_input(batch, BATCH_AXES))
+            inputs = model_inputs(shard_rows(batch, mesh))
             s, c = _batch_nll(model, inputs)
             total, count = total + float(s), count + float(c)
     loss = total / max(count, 1.0)
@@ -275,7 +273,15 @@ def trainer_class(base=None):
     from tunix.sft import peft_trainer
 
     class Trainer(base or peft_trainer.PeftTrainer):
-        """A Tunix trainer whose jitted steps get `step_compiler_options()`."""
+        """A Tunix trainer whose jitted steps get `step_compiler_options()`, and whose batches (each process's
+        rows) become global arrays on `data_mesh` before Tunix's own `shard_input` sees them (`shard_rows`)."""
+
+        data_mesh = None
+
+        def _prepare_inputs(self, batch):
+            if self.data_mesh is not None and jax.process_count() > 1 and isinstance(batch, dict):
+                batch = shard_rows(batch, self.data_mesh)
+            return super()._prepare_inputs(batch)
 
         @property
         def _tqdm_train_metrics(self):
@@ -306,10 +312,12 @@ def _trainer(model, sft: SftParams, mesh, options, ckpt_dir: epath.Path):
         data_sharding_axis=BATCH_AXES,
         pbar_description="sft",
     )
-    return checkpoints.restored_trainer(
+    trainer = checkpoints.restored_trainer(
         lambda: trainer_class()(model, make_optimizer(sft.optim), config, metrics_logger=metrics_logger.MetricsLogger(options)),
         ckpt_dir,
     )
+    trainer.data_mesh = mesh
+    return trainer
 
 
 # ---------------------------------------------------------------- the run

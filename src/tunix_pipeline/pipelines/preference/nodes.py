@@ -14,7 +14,7 @@ from tunix_pipeline.ingest import ingest
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
 from tunix_pipeline.planning import peak_flops_per_device
 from tunix_pipeline.rewards import RewardSet
-from tunix_pipeline.runtime import make_mesh
+from tunix_pipeline.runtime import is_main_process, make_mesh
 from tunix_pipeline.tracking import metrics_backends
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def run_preference(
     backends = metrics_backends(tracking, runtime.output_root, "preference")
     result = pref.train_preference(network, train_tokens, eval_tokens, params, mesh, backends,
                                    peak_flops_per_device(plan, runtime))
-    if mlflow.active_run() is not None and jax.process_index() == 0:  # held-out pair accuracy: SFT's, then the policy's
+    if mlflow.active_run() is not None and is_main_process():  # held-out pair accuracy: SFT's, then the policy's
         client, run_id = mlflow.MlflowClient(), mlflow.active_run().info.run_id
         for at, key in ((0, "heldout_pair_accuracy_before"), (result["latest_step"], "heldout_pair_accuracy")):
             if result[key] is not None:
