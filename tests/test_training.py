@@ -422,7 +422,7 @@ def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tiny_model_dir, rows_
 @pytest.mark.slow
 def test_two_processes_give_the_loss_and_gradient_of_one(tiny_model_dir, rows_file, tmp_path):
     # one row per device: 2 rows a process over 4 data-parallel devices, which Tunix's shard_input replicated
-    # (each process then computed on its own rows as the whole batch); training.shard_rows makes them one batch.
+    # (each process then computed on its own rows as the whole batch); runtime.shard_rows makes them one batch.
     # One step: its loss and gradient are the same sums in another order; after it AdamW would turn
     # rounding noise in near-zero gradients into lr-sized weight differences.
     one_row = {"max_steps": 1, "per_device_batch_size": 1, "warmup_steps": 0, "max_grad_norm": None,
