@@ -122,3 +122,8 @@ def test_grpo_compiles_for_a_kaggle_v5e_8():
     # attention and LoRA on top
     frozen = 3 * (2304 * 2048 + 2 * 2304 * 1024 + 2048 * 2304 + 3 * 2304 * 9216) + 256_000 * 2304
     assert 1.0 < g["update_flops"] / (4 * frozen * 8 * 480) < 1.6
+
+
+def test_every_profile_carries_its_memory_bandwidth_with_its_source():
+    for name, hw in PLAN.profiles.items():
+        assert hw.hbm_gb_per_s and len(hw.hbm_source) > 20, name
