@@ -191,7 +191,7 @@ def markdown_section(plan: Plan) -> list[str]:
         f"## GRPO ({g['loss_variant']}, {g['completions_per_step']} completions a step, reference {g['reference']})",
         "",
         f"On **{s['hardware']}**, {s['sequences_per_device']} sequences of {s['sequence_length']} tokens per device "
-        f"({fits} {size(s['usable_memory_gib'] * GIB)} usable):",
+        f"({fits} the {size(s['usable_memory_gib'] * GIB)} usable):",
         "",
         "| phase | memory/device | from | time per step |",
         "|---|---:|---|---:|",
