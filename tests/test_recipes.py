@@ -95,6 +95,7 @@ def plans(recipes_project):
     reports = recipes_project / "data" / "08_reporting"
     for env in RECIPES:
         xla_off = {"xla_check": {"enabled": False}}
+        sft_only = {"xla_check": {"grpo": False}}  # the SFT step's compile is tested here; GRPO's in test_planning_grpo
         if env in SUBPROCESS:
             env_vars = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the recipe's own device count
             done = subprocess.run(
@@ -103,7 +104,7 @@ def plans(recipes_project):
             )
             assert done.returncode == 0, done.stderr[-3000:]
         else:
-            with _session(recipes_project, env, **({} if env in TPU_RECIPES else {"plan": xla_off})) as session:
+            with _session(recipes_project, env, plan=sft_only if env in TPU_RECIPES else xla_off) as session:
                 session.run(pipeline_names=["plan"])
         out[env] = (json.loads((reports / "plan.json").read_text()), (reports / "plan.md").read_text())
     return out
@@ -303,6 +304,17 @@ def test_kaggle_recipe_chains_lora_sft_simpo_grpo_within_the_session_and_week(pl
     # GRPO: seed 000 counts ~150 samples an hour at the slowest; session 3 holds its steps
     grpo = p["grpo"]
     assert grpo.max_steps * grpo.batch_size * grpo.num_generations / 150 <= sessions[2]["hours"]
+    # and the plan (session 3's parameters): generation and update each fit a 16 GiB chip, the steps its 9 h
+    g = summary["grpo"]["selected"]
+    usable = hw.memory_gib * p["plan"].usable_memory_fraction
+    assert g["generation_gib"] <= usable and g["update_gib"] <= usable and g["fits"]
+    assert g["session_hours"] == sessions[2]["hours"] and g["hours"] <= sessions[2]["hours"] and g["within_session"]
+    assert summary["grpo"]["reference"] == "adapters" and 0 < g["reference_gib"] < 0.1  # LoRA: the base is shared
+    assert "## GRPO (grpo, 8 completions a step, reference adapters)" in report and "| generation (KV cache" in report
+    stages = summary["stages"]
+    assert set(stages["hours"]) == {"sft", "preference", "grpo"} and stages["total_hours"] <= p["sessions"]["weekly_hours"]
+    print(f"{env}: GRPO generation {g['generation_gib']:.2f} GiB, update {g['update_gib']:.2f} GiB per chip, "
+          f"{g['samples_per_hour']:.0f} completions/h, {g['hours']:.1f} h; every stage {stages['total_hours']:.1f} h")
 
 
 # ---------------------------------------------------------------- knobs the recipes needed

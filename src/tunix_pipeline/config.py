@@ -523,6 +523,13 @@ class HardwareProfile(Strict):
     mfu_source: str = ""  # where the assumed MFU comes from (a published benchmark, a seed, a measurement)
     # a TPU's topology as libtpu names it (e.g. v5e:2x4, v4:4x4x2): the plan compiles the train step for it
     topology: str | None = None
+    # decoding (GRPO's rollouts) reads every weight and the KV cache for each token: HBM bandwidth bounds it
+    hbm_gb_per_s: float | None = Field(None, gt=0, description="memory bandwidth per device (GB/s)")
+    hbm_source: str = ""  # the spec sheet it comes from
+    decode_utilisation: float | None = Field(
+        None, gt=0, le=1, description="assumed share of hbm_gb_per_s a decode step reaches; overrides plan's"
+    )
+    decode_source: str = ""  # where the assumed decode utilisation comes from
 
     @model_validator(mode="after")
     def _topology_has_the_devices(self):
@@ -557,6 +564,7 @@ class XlaCheckParams(Strict):
     # deeper models are compiled at one and two layer periods (XLA:TPU: two and three) and extrapolated; null: every layer
     max_layers: int | None = Field(4, gt=0)
     timeout_seconds: int = Field(900, gt=0)
+    grpo: bool = True  # also compile GRPO's decode step and policy update (XLA:TPU only) when GRPO is planned
 
 
 class PlanParams(Strict):
@@ -565,6 +573,8 @@ class PlanParams(Strict):
     mfu: float = Field(0.47, gt=0, le=1, description="assumed model FLOP utilisation")
     # decoding (pair building, GRPO rollouts) reads every weight per token of a batch: far below training's MFU
     generation_mfu: float = Field(0.05, gt=0, le=1, description="assumed FLOP utilisation while generating")
+    # GRPO's rollouts: a decode step's time is the bytes it reads (weights, KV cache) over this share of HBM bandwidth
+    decode_utilisation: float = Field(0.5, gt=0, le=1, description="assumed share of HBM bandwidth while decoding")
     checkpoint_seconds: float | None = Field(None, ge=0, description="null: checkpoint bytes / checkpoint_gb_per_s")
     checkpoint_gb_per_s: float = Field(0.5, gt=0)
     session_setup_minutes: float = Field(30.0, ge=0, description="per session: install, load, compile")

@@ -5,7 +5,8 @@
     print(markdown(plan)); plan.status  # ok | risky | over
 
 `check_against_xla(plan, ...)` adds XLA's own figure for the same train step,
-compiled ahead of time on a fake CPU mesh of the same shape.
+compiled ahead of time on a fake CPU mesh of the same shape (XLA:TPU for a TPU profile's topology).
+`planning.preference` and `planning.grpo` add the later stages (`grpo_xla` compiles GRPO's programs).
 """
 
 from __future__ import annotations

@@ -236,3 +236,13 @@ def checkpoint_bytes(arch: Architecture, setup: TrainSetup) -> float:
     """What one Orbax checkpoint writes: the trained weights and the optimizer state (all devices)."""
     whole = estimate_memory(arch, setup.replace(data=1, fsdp=1, tp=1))
     return whole.grads + whole.optimizer  # trained weights are gradient-sized
+
+
+def reference_bytes(arch: Architecture, setup: TrainSetup, trainable_params: int) -> float:
+    """Per device: a frozen reference policy beside the trained one (DPO, GRPO's KL term): a whole copy
+    of the weights, sharded as the policy's, with full fine-tuning; with LoRA only the adapters, as the
+    reference shares the base arrays."""
+    if setup.mode == "full":
+        matrices = arch.embedding_params + arch.num_layers * arch.layer_matrix_params
+        return (matrices / (setup.fsdp * setup.tp) + (arch.params - matrices) / setup.tp) * setup.p_bytes
+    return trainable_params * setup.p_bytes

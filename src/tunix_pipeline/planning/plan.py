@@ -105,6 +105,7 @@ class Plan:
     xla: dict | None = None  # the XLA check, when run
     assumptions: dict = dataclasses.field(default_factory=dict)
     preference: dict | None = None  # the preference stage, when it is on (planning.preference)
+    grpo: dict | None = None  # GRPO's generation and update, when it is on (planning.grpo)
 
     def summary(self) -> dict:
         s = self.selected
@@ -161,7 +162,24 @@ class Plan:
             out["xla_check"] = self.xla
         if self.preference:
             out["preference"] = {k: v for k, v in self.preference.items() if k != "params"}
+        if self.grpo:
+            out["grpo"] = self.grpo
+        if self.preference or self.grpo:
+            out["stages"] = self.stages()
         return out
+
+    def stages(self) -> dict:
+        """Hours and cost of every planned stage on the selected hardware, and their total."""
+        s = self.selected
+        hours = {"sft": s.hours if self.job.max_steps else 0.0}
+        if self.preference:
+            hours["preference"] = self.preference["selected"]["hours"]
+        if self.grpo:
+            hours["grpo"] = self.grpo["selected"]["hours"]
+        known = [h for h in hours.values() if h is not None]
+        total = sum(known) if len(known) == len(hours) else None
+        return {"hours": hours, "total_hours": total,
+                "total_cost": total * s.hw.cost_per_hour if total is not None and s.hw.cost_per_hour is not None else None}
 
 
 # ---------------------------------------------------------------- the job from the configuration

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 
 from tunix_pipeline.config import PlanParams, PreferenceParams
+from tunix_pipeline.planning import memory
 from tunix_pipeline.planning.memory import GIB, estimate_memory
 from tunix_pipeline.planning.plan import Plan, Row, size
 
@@ -22,11 +23,7 @@ def reference_bytes(plan: Plan, row: Row, pref: PreferenceParams) -> float:
     """Per device: what DPO's reference model adds (0 for ORPO, SimPO, or precomputed log-probabilities)."""
     if pref.method != "dpo" or pref.precompute_reference:
         return 0.0
-    s, arch = row.setup, plan.job.arch
-    if s.mode == "full":  # a frozen copy of every weight, sharded as the policy's
-        matrices = arch.embedding_params + arch.num_layers * arch.layer_matrix_params
-        return (matrices / (s.fsdp * s.tp) + (arch.params - matrices) / s.tp) * s.p_bytes
-    return row.memory.trainable_params * s.p_bytes  # the SFT adapters; the base is shared
+    return memory.reference_bytes(plan.job.arch, row.setup, row.memory.trainable_params)
 
 
 def stage_setup(row: Row, pref: PreferenceParams):

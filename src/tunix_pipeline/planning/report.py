@@ -84,6 +84,12 @@ def markdown(plan: Plan) -> str:
         from tunix_pipeline.planning.preference import markdown_section
 
         lines += markdown_section(plan) + [""]
+    if plan.grpo:
+        from tunix_pipeline.planning import grpo
+
+        lines += grpo.markdown_section(plan) + [""]
+    if plan.preference or plan.grpo:
+        lines += stages_line(plan) + [""]
     lines += [
         "## Every hardware profile",
         "",
@@ -150,3 +156,11 @@ def xla_section(x: dict) -> list[str]:
             "memory than the accelerator run above; the estimate has coefficients fitted to each compiler.",
         ]
     return lines
+
+
+def stages_line(plan: Plan) -> list[str]:
+    st = plan.stages()
+    parts = ", ".join(f"{name} {_hours(h) if h is not None else '?'}" for name, h in st["hours"].items())
+    total = "unknown (a profile without a bandwidth)" if st["total_hours"] is None else (
+        f"{_hours(st['total_hours'])}, {_money(st['total_cost'])}")
+    return [f"**Every stage on {plan.selected.profile}:** {parts}; in all {total}."]

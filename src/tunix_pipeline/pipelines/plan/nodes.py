@@ -3,9 +3,10 @@ import logging
 import pandas as pd
 
 from tunix_pipeline.config import (
-    ModelParams, PlanParams, PreferenceParams, RuntimeParams, SftParams, TokenizeParams,
+    GrpoParams, ModelParams, PlanParams, PreferenceParams, RuntimeParams, SftParams, TokenizeParams,
 )
-from tunix_pipeline.planning import DoesNotFit, build_plan, markdown, refusal, with_xla_check
+from tunix_pipeline.planning import DoesNotFit, build_plan, grpo_xla, markdown, refusal, with_xla_check
+from tunix_pipeline.planning.grpo import add_grpo
 from tunix_pipeline.planning.preference import add_preference
 from tunix_pipeline.planning.preference import check_against_xla as check_preference_against_xla
 
@@ -14,11 +15,11 @@ log = logging.getLogger(__name__)
 
 def plan_training(
     model: ModelParams, sft: SftParams, runtime: RuntimeParams, tokenize: TokenizeParams, plan: PlanParams,
-    preference: PreferenceParams, sessions: dict,
+    preference: PreferenceParams, sessions: dict, grpo: GrpoParams,
 ) -> tuple[dict, str]:
-    """The plan for every hardware profile (SFT, and the preference stage when this run or a later session of
-    `sessions.plan` turns it on), checked against XLA (on a TPU profile: compiled for its topology, and
-    resting on that); printed, and returned as JSON and Markdown."""
+    """The plan for every hardware profile (SFT, and the preference stage and GRPO when this run or a later
+    session of `sessions.plan` turns them on), checked against XLA (on a TPU profile: compiled for its
+    topology, and resting on that); printed, and returned as JSON and Markdown."""
     # the XLA check may rebuild the plan on the compiled figures: the preference stage is added after it
     result = with_xla_check(build_plan(model, sft, runtime, tokenize, plan), model, plan)
     result = add_preference(result, _planned_preference(preference, sessions), plan)
@@ -26,6 +27,11 @@ def plan_training(
         result.preference["xla_check"] = check_preference_against_xla(
             result, model, plan.xla_check.max_layers, plan.xla_check.timeout_seconds
         )
+    grpo, grpo_hours = _planned_stage("grpo", grpo, sessions)
+    compiled = None
+    if plan.xla_check.enabled and plan.xla_check.grpo and grpo.enabled:  # XLA:TPU only: None unless libtpu or a TPU is at hand
+        compiled = grpo_xla.check(result, model, grpo, plan.xla_check.max_layers)
+    result = add_grpo(result, grpo, plan, grpo_hours, compiled)
     text = markdown(result)
     print(text)  # noqa: T201 - the table is this pipeline's output
     return result.summary(), text
@@ -33,16 +39,23 @@ def plan_training(
 
 def _planned_preference(preference: PreferenceParams, sessions: dict) -> PreferenceParams:
     """The preference stage as this run has it, or as the first session of the plan that turns it on."""
+    planned, hours = _planned_stage("preference", preference, sessions)
+    return planned.model_copy(update={"time_budget_hours": hours}) if hours else planned
+
+
+def _planned_stage(section: str, params, sessions: dict):
+    """(the stage's parameters as this run has them, or as the first session of `sessions.plan` that turns it on;
+    that session's hours, or None)."""
     from omegaconf import OmegaConf
 
-    if preference.enabled:
-        return preference
+    if params.enabled:
+        return params, None
     for session in (sessions or {}).get("plan") or []:
-        changes = (session.get("params") or {}).get("preference") or {}
+        changes = (session.get("params") or {}).get(section) or {}
         if changes.get("enabled"):
-            merged = OmegaConf.to_container(OmegaConf.merge(preference.model_dump(), changes))
-            return PreferenceParams.model_validate({**merged, "time_budget_hours": session["hours"]})
-    return preference
+            merged = OmegaConf.to_container(OmegaConf.merge(params.model_dump(), changes))
+            return type(params).model_validate(merged), session["hours"]
+    return params, None
 
 
 def check_sft_fits(

@@ -9,7 +9,7 @@ def create_pipeline(**kwargs) -> Pipeline:
             Node(
                 plan_training,
                 inputs=["params:model", "params:sft", "params:runtime", "params:tokenize", "params:plan", "params:preference",
-                        "params:sessions"],
+                        "params:sessions", "params:grpo"],
                 outputs=["plan_summary", "plan_report"],
                 name="plan_training",
             )

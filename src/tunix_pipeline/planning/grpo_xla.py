@@ -1,0 +1,251 @@
+"""GRPO's two programs compiled ahead of time for a TPU topology (libtpu's compile-only devices, or an
+attached TPU): abstract shapes, no weights, no TPU needed.
+
+- **generation**: one decode step of Tunix's sampler: the model's forward pass over the last token of
+  every completion with the KV cache (`Sampler._sample_step`, the cache donated as Tunix donates it),
+  at the rollout's shapes: batch x G sequences, a cache of prompt + completion positions, the
+  policy sharded as the trainer shards it (the rollout uses the actor's model on the same mesh);
+  the cache is split over the data-parallel axes as the model's activations are.
+- **update**: the actor's train step: Tunix's registered policy loss for `grpo.loss_variant`
+  (`GRPOLearner`'s `loss_fn`) on a `TrainExample` carrying the reference's and, with
+  `num_iterations > 1`, the old policy's log-probabilities, its gradient with respect to what is
+  trained (the LoRA adapters, or every weight) and `grpo.make_optimizer`'s update, optimizer state donated.
+
+`memory_analysis()` gives the bytes per chip and `cost_analysis()` the FLOPs. Deep models are compiled
+at two and three layer periods and extrapolated, as `planning.xla` does for SFT's step (one layer is a
+period when every sliding window spans the rollout: `layer_period`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from tunix_pipeline.config import GrpoParams
+from tunix_pipeline.planning.architecture import Architecture
+from tunix_pipeline.planning.memory import GIB, TrainSetup, estimate_memory
+
+
+def _mesh_and_model(arch: Architecture, setup: TrainSetup, layers: int, lora, devices, optimizer=None):
+    """(mesh, abstract model, abstract optimizer or None, wrt): the policy as the trainer builds and shards it."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from tunix_pipeline.config import RuntimeParams
+    from tunix_pipeline.planning.xla import _tunix_config
+    from tunix_pipeline.training import make_mesh
+
+    family, cfg = _tunix_config(arch, layers, setup.remat)
+    mesh = make_mesh(RuntimeParams(mesh=setup.mesh), list(devices)[: setup.devices])
+    dtype = jnp.dtype(setup.param_dtype)
+    lora_on = setup.mode != "full"
+    wrt = nnx.LoRAParam if lora_on else nnx.Param
+
+    def build():
+        model = family.model_class(cfg, rngs=nnx.Rngs(0))
+        nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), nnx.state(model, nnx.Param)))
+        if lora_on:
+            from tunix_pipeline.models.lora import apply_lora
+
+            model = apply_lora(model, lora)
+            if setup.mode == "qlora":  # qwix's quantized LoRA draws from these in the forward pass
+                model.set_attributes(qwix_rngs=nnx.Rngs(0), raise_if_not_found=False)
+                model(**model.get_model_input())
+        return model, (nnx.Optimizer(model, optimizer, wrt=wrt) if optimizer is not None else None)
+
+    model, opt = nnx.eval_shape(build)
+    return mesh, model, opt, wrt
+
+
+def _abstract(state, mesh):
+    """`state`'s leaves as ShapeDtypeStructs sharded by their partition metadata (replicated where it does not divide)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    def leaf(x, spec):
+        if isinstance(spec, jax.sharding.PartitionSpec):
+            sizes = [int(np.prod([mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else (ax or ()))]))
+                     for ax in spec]
+            if len(spec) > len(x.shape) or any(d % s for d, s in zip(x.shape, sizes)):
+                spec = jax.sharding.PartitionSpec()
+        else:
+            spec = jax.sharding.PartitionSpec()
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+
+    return jax.tree.map(leaf, state, nnx.get_partition_spec(state),
+                        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def _rows(mesh, sequences: int, shape: tuple, dtype):
+    """An abstract batch-major array split over the data-parallel axes when the rows divide them."""
+    import jax
+
+    from tunix_pipeline.training import BATCH_AXES
+
+    dp = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+    spec = jax.sharding.PartitionSpec(*BATCH_AXES) if sequences % dp == 0 else jax.sharding.PartitionSpec()
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+
+
+def _measure(lowered, started: float, layers: int, platform: str) -> dict:
+    compiled = lowered.compile()
+    ma = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    peak = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
+    return {"peak": peak, "flops": float(cost.get("flops", 0.0)), "layers": layers,
+            "seconds": time.perf_counter() - started, "platform": platform}
+
+
+def compile_decode_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams, layers: int, lora, devices) -> dict:
+    """One decode step with the KV cache at the rollout's shapes, bytes and FLOPs per chip."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from tunix.generate import sampler as tunix_sampler
+
+    from tunix_pipeline.planning.xla import accelerator_sharding
+
+    started = time.perf_counter()
+    mesh, model, _, _ = _mesh_and_model(arch, setup, layers, lora, devices)
+    graph, state = nnx.split(model)
+    sequences = grpo.batch_size * grpo.num_generations
+    cache_size = grpo.max_prompt_length + grpo.max_completion_length
+    dtype = jnp.dtype(setup.c_dtype)
+    if hasattr(model, "init_cache"):  # as Tunix's sampler makes it
+        cache = jax.eval_shape(lambda: model.init_cache(sequences, cache_size, dtype))
+    else:
+        cache = jax.eval_shape(lambda: tunix_sampler._init_cache(  # noqa: SLF001 - the sampler's own fallback
+            layers, cache_size, sequences, arch.num_kv_heads, arch.head_dim, dtype))
+    cache = jax.tree.map(lambda x: _rows(mesh, sequences, x.shape, x.dtype), cache)
+
+    def decode(state, cache, tokens, positions, mask):  # Sampler._sample_step's forward pass
+        logits, cache = nnx.merge(graph, state)(tokens, positions=positions, cache=cache, attention_mask=mask)
+        return logits, cache
+
+    with accelerator_sharding(), mesh:
+        lowered = jax.jit(decode, donate_argnums=(1,)).lower(
+            _abstract(state, mesh), cache, _rows(mesh, sequences, (sequences, 1), jnp.int32),
+            _rows(mesh, sequences, (sequences, 1), jnp.int32), _rows(mesh, sequences, (sequences, 1, cache_size), jnp.bool_),
+        )
+        return _measure(lowered, started, layers, devices[0].platform)
+
+
+def compile_update_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams, layers: int, lora, devices) -> dict:
+    """The actor's GRPO train step at batch x G sequences of prompt + completion tokens, bytes and FLOPs per chip."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from tunix.rl import function_registry
+    from tunix.rl.grpo.grpo_learner import TrainExample
+
+    from tunix_pipeline import grpo as grpo_lib
+    from tunix_pipeline.planning.xla import accelerator_sharding
+
+    started = time.perf_counter()
+    mesh, model, optimizer, wrt = _mesh_and_model(arch, setup, layers, lora, devices, grpo_lib.make_optimizer(grpo))
+    graph, trained, frozen = nnx.split(model, wrt, ...)
+    opt_graph, opt_state = nnx.split(optimizer)
+    algo_config, _ = grpo_lib.algorithm(grpo)
+    algo_config.temperature = grpo.temperature  # as GRPOLearner sets it from the rollout config
+    policy_loss = function_registry.get_policy_loss_fn(algo_config.policy_loss_fn)
+    s, p, c = grpo.batch_size * grpo.num_generations, grpo.max_prompt_length, grpo.max_completion_length
+    logps = _rows(mesh, s, (s, c), jnp.float32)
+    example = TrainExample(
+        prompt_ids=_rows(mesh, s, (s, p), jnp.int32), prompt_mask=_rows(mesh, s, (s, p), jnp.int32),
+        completion_ids=_rows(mesh, s, (s, c), jnp.int32), completion_mask=_rows(mesh, s, (s, c), jnp.int32),
+        advantages=_rows(mesh, s, (s,), jnp.float32),
+        ref_per_token_logps=logps if algo_config.beta else None,
+        old_per_token_logps=logps if grpo.num_iterations > 1 else None,
+    )
+
+    def train_step(trained, frozen, opt_state, example):  # Tunix's PeftTrainer step with GRPOLearner's loss
+        model = nnx.merge(graph, trained, frozen)
+        opt = nnx.merge(opt_graph, opt_state)
+
+        def loss_fn(model):
+            return policy_loss(model, example, algo_config=algo_config, pad_id=0, eos_id=1)
+
+        (loss, _), grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)(model)
+        opt.update(model, grads)
+        return loss, nnx.state(model, wrt), nnx.state(opt)
+
+    with accelerator_sharding(), mesh:
+        lowered = jax.jit(train_step, donate_argnums=(2,)).lower(
+            _abstract(trained, mesh), _abstract(frozen, mesh), _abstract(opt_state, mesh), example
+        )
+        return _measure(lowered, started, layers, devices[0].platform)
+
+
+def layer_period(arch: Architecture, length: int) -> int:
+    """Layers after which the program repeats: 1 when every sliding window spans the whole sequence (Gemma 2 and
+    3's local layers then compute what the global ones do, masked alike), else the model's own period."""
+    window = arch.hf_config.get("sliding_window")
+    return 1 if window and window >= length else max(arch.layer_period, 1)
+
+
+def whole_model(compile_at, arch: Architecture, max_layers: int | None, period: int = 1) -> dict:
+    """`compile_at(layers)` for the whole model, or at two and three layer periods extrapolated to every layer
+    (XLA:TPU schedules a model's first layer unlike the others: see `xla.xla_peak`)."""
+    first = 2 * period
+    if max_layers is None or arch.num_layers <= max(max_layers, first + period):
+        return {**compile_at(arch.num_layers), "method": f"compiled all {arch.num_layers} layers"}
+    a, b = compile_at(first), compile_at(first + period)
+    periods = (arch.num_layers - first) / period
+    return {
+        "peak": a["peak"] + periods * (b["peak"] - a["peak"]),
+        "flops": a["flops"] + periods * (b["flops"] - a["flops"]),
+        "seconds": a["seconds"] + b["seconds"],
+        "platform": a["platform"],
+        "method": f"compiled {first} and {first + period} layers, extrapolated to {arch.num_layers}",
+    }
+
+
+def estimates(arch: Architecture, setup: TrainSetup) -> dict:
+    """The analytic bytes of the very programs compiled: the decode step and the train step."""
+    from tunix_pipeline.planning.grpo import decode_program_bytes
+
+    return {"generation": decode_program_bytes(arch, setup, setup.per_device_batch),
+            "update": estimate_memory(arch, setup).peak}
+
+
+def check(plan, model, grpo: GrpoParams, max_layers: int | None = 4) -> dict | None:
+    """Both GRPO programs of the selected profile compiled by XLA:TPU for its topology (or the attached TPU);
+    None when neither libtpu nor a TPU is at hand. A program that does not compile is reported as such."""
+    from tunix_pipeline.planning import xla
+    from tunix_pipeline.planning.grpo import update_setup
+
+    try:
+        target = xla.tpu_target(plan.selected.hw)
+    except Exception as err:  # noqa: BLE001 - e.g. a topology libtpu does not know: the estimate stands
+        return {"error": f"{type(err).__name__}: {err}", "topology": plan.selected.hw.topology}
+    if target is None:
+        return None
+    name, devices = target
+    arch = plan.job.arch
+    setup = update_setup(plan.selected, grpo)
+    estimate = estimates(arch, setup)
+    out = {"topology": name, "mesh": setup.mesh, "dtype": setup.param_dtype}
+    for phase, compile_fn in (("generation", compile_decode_step), ("update", compile_update_step)):
+        try:
+            r = whole_model(lambda layers: compile_fn(arch, setup, grpo, layers, model.lora, devices), arch, max_layers,
+                            layer_period(arch, setup.seq_len))
+        except Exception as err:  # noqa: BLE001 - a sharding error, an unsupported op: the program itself fails
+            message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            needed = re.search(r"Ran out of memory.*?\(([\d.]+)G\) exceeds", message)
+            out[phase] = ({"error": message, "out_of_memory": True, "xla_gib": float(needed.group(1)),
+                           "method": "refused by XLA:TPU", "seconds": 0.0, "flops_per_device": None,
+                           "estimate_gib": estimate[phase] / GIB, "difference": None} if needed
+                          else {"error": f"{type(err).__name__}: {message}", "does_not_compile": True})
+            continue
+        out[phase] = {
+            "method": r["method"],
+            "seconds": r["seconds"],
+            "xla_gib": r["peak"] / GIB,
+            "flops_per_device": r["flops"],
+            "estimate_gib": estimate[phase] / GIB,
+            "difference": (estimate[phase] - r["peak"]) / r["peak"],
+        }
+    return out

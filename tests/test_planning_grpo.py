@@ -1,0 +1,127 @@
+"""GRPO in the plan: its generation and update phases against a hand computation, and both programs
+compiled by XLA:TPU for a Kaggle v5e-8 (libtpu's compile-only devices, no TPU)."""
+
+import pytest
+import yaml
+
+from tunix_pipeline.config import GrpoParams, LoraParams, ModelParams, PlanParams, RuntimeParams, SftParams, TokenizeParams
+from tunix_pipeline.planning import build_plan
+from tunix_pipeline.planning.grpo import add_grpo
+from tunix_pipeline.planning.memory import GIB
+
+from .conftest import ROOT
+
+BASE = yaml.safe_load((ROOT / "conf/base/parameters_plan.yml").read_text())["plan"]
+PLAN = PlanParams(**{**BASE, "hardware": "kaggle-tpu-v5e-8"})
+SFT = SftParams(max_steps=100, per_device_batch_size=4, learning_rate=1e-5, checkpoint_every=50)
+GEMMA_2B = ModelParams(source="google/gemma-2b", dtype="bfloat16")
+
+# Gemma-2B by hand: 18 layers of q, o (2048 x 2048), k, v (2048 x 256, one kv head), a gated MLP (3 x 2048 x
+# 16384); a tied 256,000 x 2048 embedding; two norms a layer and a final one
+LAYER = 2 * 2048 * 2048 + 2 * 2048 * 256 + 3 * 2048 * 16384
+EMBED = 256_000 * 2048
+N = 18 * LAYER + EMBED + 18 * 2 * 2048 + 2048
+CHIP_FLOPS, HBM = 197e12, 819e9  # a v5e chip: bf16 peak, HBM bandwidth (Cloud TPU docs)
+
+
+def _plan(model=GEMMA_2B, plan=PLAN, **grpo):
+    params = GrpoParams(**{"max_steps": 150, "max_prompt_length": 128, "max_completion_length": 256,
+                           "checkpoint_every": 50, **grpo})
+    return add_grpo(build_plan(model, SFT, RuntimeParams(), TokenizeParams(max_length=512), plan), params, plan, 9)
+
+
+def test_generation_and_update_follow_the_math():
+    plan = _plan()
+    g = plan.grpo["selected"]
+    assert plan.job.arch.params == N and g["sequences_per_device"] == 1 and g["sequence_length"] == 384
+    hw = PLAN.profiles["kaggle-tpu-v5e-8"]
+    mfu, util = hw.mfu, PLAN.decode_utilisation
+    rate = 8 * CHIP_FLOPS * mfu  # 8 chips
+    # each of the 256 decode steps reads the whole bf16 model (fsdp gathers it) and, on average, the cache of
+    # 128 + 128 positions: 18 layers x keys and values x 1 head x 256 dims x 2 bytes, one sequence a chip
+    kv_average = 18 * 2 * (128 + 128) * 256 * 2
+    decode = 256 * (2 * N + kv_average) / (HBM * util)
+    prefill = 2 * N * 8 * 128 / rate  # 2 prompts x 4 completions, one forward pass over the prompt
+    assert g["generation_seconds"] == pytest.approx(decode + prefill, rel=1e-9)
+    # full fine-tuning: forward, input and weight gradients (6 FLOPs per weight and token, the output head
+    # included) plus the attention scores (QK^T and PV, 2 x 2 x length x 8 heads x 256 dims a layer, x3)
+    per_token = 3 * (2 * (18 * LAYER + EMBED) + 18 * 2 * 2 * 384 * 8 * 256)
+    reference = 2 * N * 8 * 384 / rate  # beta > 0: the reference's forward pass for its log-probabilities
+    assert g["update_seconds"] == pytest.approx(reference + 8 * 384 * per_token / rate, rel=1e-9)
+    step = decode + prefill + reference + 8 * 384 * per_token / rate
+    assert g["step_seconds"] == pytest.approx(step, rel=1e-9)
+    assert g["samples_per_hour"] == pytest.approx(8 * 3600 / step, rel=1e-9)
+    ckpt = plan.selected.checkpoint_seconds
+    assert g["hours"] == pytest.approx((150 * step + 3 * ckpt) / 3600 + PLAN.session_setup_minutes / 60, rel=1e-9)
+    # the reference is a whole bf16 copy over the 8 chips; with LoRA only the adapters, with beta 0 nothing
+    assert g["reference_gib"] == pytest.approx(2 * N / 8 / GIB, abs=1e-3)
+    lora = _plan(GEMMA_2B.model_copy(update={"lora": LoraParams(rank=16)}))
+    assert 0 < lora.grpo["selected"]["reference_gib"] < 0.05 and lora.grpo["reference"] == "adapters"
+    no_kl = _plan(beta=0.0).grpo["selected"]
+    assert no_kl["reference_gib"] == 0 and no_kl["update_seconds"] == pytest.approx(8 * 384 * per_token / rate, rel=1e-9)
+    # a longer completion grows generation's memory by its cache alone: 256 more positions
+    longer = _plan(max_completion_length=512).grpo["selected"]
+    cache = 18 * 2 * 256 * 256 * 2
+    assert (longer["generation_gib"] - g["generation_gib"]) * GIB == pytest.approx(cache, abs=2e-3 * GIB)
+    assert longer["kv_cache_gib"] == round(18 * 2 * (128 + 512) * 256 * 2 / GIB, 3)
+    # the plan's total: SFT and GRPO on the selected hardware
+    stages = plan.summary()["stages"]
+    assert stages["hours"]["grpo"] == g["hours"] and stages["total_hours"] == pytest.approx(plan.selected.hours + g["hours"])
+    assert "## GRPO (grpo, 8 completions a step, reference model)" in _markdown(plan)
+
+
+def _markdown(plan):
+    from tunix_pipeline.planning import markdown
+
+    return markdown(plan)
+
+
+def test_a_phase_that_does_not_fit_or_a_short_session_is_a_warning():
+    big = _plan(batch_size=64, num_generations=8, max_completion_length=2048)
+    assert not big.grpo["selected"]["fits"] and big.status in ("risky", "over")
+    assert any("GRPO's" in w and "lower grpo.batch_size" in w for w in big.warnings)
+    slow = _plan(max_steps=100_000)
+    assert slow.grpo["selected"]["within_session"] is False
+    assert any("over its 9 h session" in w for w in slow.warnings)
+    # a profile without a bandwidth: memory, but no time, and no total
+    profiles = {**BASE["profiles"], "kaggle-tpu-v5e-8": {**BASE["profiles"]["kaggle-tpu-v5e-8"], "hbm_gb_per_s": None}}
+    blind = _plan(plan=PlanParams(**{**BASE, "hardware": "kaggle-tpu-v5e-8", "profiles": profiles}))
+    assert blind.grpo["selected"]["hours"] is None and blind.grpo["selected"]["update_gib"] > 0
+    assert blind.summary()["stages"]["total_hours"] is None
+
+
+@pytest.mark.slow
+def test_grpo_compiles_for_a_kaggle_v5e_8():
+    """Both programs of the Gemma-2-2B Kaggle recipe's GRPO, 3 of its 26 layers, compiled by XLA:TPU for v5e 2x4."""
+    from tunix_pipeline.planning import grpo_xla
+
+    recipe = yaml.safe_load((ROOT / "conf/kaggle_gemma2_2b_v5e8/parameters.yml").read_text())
+    hf = {**recipe["plan"]["architectures"]["google/gemma-2-2b-it"], "num_hidden_layers": 3}
+    plan_params = PlanParams(**{**BASE, "hardware": "kaggle-tpu-v5e-8",
+                                "architectures": {"gemma-2-2b-3-layers": hf}})
+    model = ModelParams(source="gemma-2-2b-3-layers", dtype="bfloat16", lora=LoraParams(**recipe["model"]["lora"]))
+    grpo = GrpoParams(**{**recipe["grpo"], "enabled": True})
+    plan = build_plan(model, SftParams(**recipe["sft"]), RuntimeParams(), TokenizeParams(max_length=512), plan_params)
+    compiled = grpo_xla.check(plan, model, grpo, max_layers=4)
+    assert compiled is not None and compiled["topology"] == "v5e:2x4", compiled
+    for phase in ("generation", "update"):
+        x = compiled[phase]
+        assert "error" not in x, x
+        assert x["method"] == "compiled all 3 layers" and x["flops_per_device"] > 0
+        # the estimate of these programs is not yet within a fixed bound of XLA:TPU's (Gemma-2-2B at 3 layers:
+        # decode -21%, update ~+60%; see the README): printed, not held; the plan uses the compiled figure
+        print(f"GRPO {phase}: XLA:TPU {x['xla_gib']:.2f} GiB per chip, estimate {x['difference']:+.1%}, {x['seconds']:.0f} s")
+        assert 0 < x["xla_gib"] < 16
+    # the plan rests on the compiled figures
+    g = add_grpo(plan, grpo, plan_params, 9, compiled).grpo["selected"]
+    assert g["generation_from"] == g["update_from"] == g["update_flops_from"] == "XLA:TPU" and g["fits"]
+    assert g["update_flops"] == pytest.approx(compiled["update"]["flops_per_device"] * 8)
+    # the update's FLOPs: 4 a frozen weight and token (forward and input gradients) for 8 sequences of 480 tokens,
+    # attention and LoRA on top
+    frozen = 3 * (2304 * 2048 + 2 * 2304 * 1024 + 2048 * 2304 + 3 * 2304 * 9216) + 256_000 * 2304
+    assert 1.0 < g["update_flops"] / (4 * frozen * 8 * 480) < 1.6
+
+
+def test_every_profile_carries_its_memory_bandwidth_with_its_source():
+    for name, hw in PLAN.profiles.items():
+        assert hw.hbm_gb_per_s and len(hw.hbm_source) > 20, name
