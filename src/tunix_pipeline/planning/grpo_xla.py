@@ -9,7 +9,7 @@ attached TPU): abstract shapes, no weights, no TPU needed.
 - **update**: the actor's train step: Tunix's registered policy loss for `grpo.loss_variant`
   (`GRPOLearner`'s `loss_fn`) on a `TrainExample` carrying the reference's and, with
   `num_iterations > 1`, the old policy's log-probabilities, its gradient with respect to what is
-  trained (the LoRA adapters, or every weight) and `grpo.make_optimizer`'s update, optimizer state donated.
+  trained (the LoRA adapters, or every weight) and `optim.make_optimizer`'s update, optimizer state donated.
 
 `memory_analysis()` gives the bytes per chip and `cost_analysis()` the FLOPs. Deep models are compiled
 at two and three layer periods and extrapolated, as `planning.xla` does for SFT's step (one layer is a
@@ -34,7 +34,7 @@ def _mesh_and_model(arch: Architecture, setup: TrainSetup, layers: int, lora, de
 
     from tunix_pipeline.config import RuntimeParams
     from tunix_pipeline.planning.xla import _tunix_config
-    from tunix_pipeline.training import make_mesh
+    from tunix_pipeline.runtime import make_mesh
 
     family, cfg = _tunix_config(arch, layers, setup.remat)
     mesh = make_mesh(RuntimeParams(mesh=setup.mesh), list(devices)[: setup.devices])
@@ -82,7 +82,7 @@ def _rows(mesh, sequences: int, shape: tuple, dtype):
     """An abstract batch-major array split over the data-parallel axes when the rows divide them."""
     import jax
 
-    from tunix_pipeline.training import BATCH_AXES
+    from tunix_pipeline.runtime import BATCH_AXES
 
     dp = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
     spec = jax.sharding.PartitionSpec(*BATCH_AXES) if sequences % dp == 0 else jax.sharding.PartitionSpec()
@@ -142,10 +142,11 @@ def compile_update_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
     from tunix.rl.grpo.grpo_learner import TrainExample
 
     from tunix_pipeline import grpo as grpo_lib
+    from tunix_pipeline.optim import make_optimizer
     from tunix_pipeline.planning.xla import accelerator_sharding
 
     started = time.perf_counter()
-    mesh, model, optimizer, wrt = _mesh_and_model(arch, setup, layers, lora, devices, grpo_lib.make_optimizer(grpo))
+    mesh, model, optimizer, wrt = _mesh_and_model(arch, setup, layers, lora, devices, make_optimizer(grpo.optim))
     graph, trained, frozen = nnx.split(model, wrt, ...)
     opt_graph, opt_state = nnx.split(optimizer)
     algo_config, _ = grpo_lib.algorithm(grpo)
