@@ -227,10 +227,7 @@ def test_the_tpu_recipes_compile_for_their_topology_and_fit(plans, env):
     assert summary["memory_per_device_gib"] == round(xla["xla_gib"], 3) and summary["memory_fraction"] < 1
     assert f"compiled by XLA:TPU for {TPU_RECIPES[env]}" in report and "is **assumed**" in report
     print(f"{env}: XLA:TPU {xla['xla_gib']:.2f} GiB per chip, estimate {xla['difference']:+.1%} ({xla['method']})")
-    if env == "tpu_full":
-        # the job the estimate's accelerator coefficients were fitted on (Gemma-2B): within 10%. The
-        # others are not yet: Qwen2.5-0.5B's remat step and the 7M pod model keep more than it says
-        assert abs(xla["difference"]) < 0.10, xla
+    assert abs(xla["difference"]) < 0.10, xla
 
 
 def test_v4_64_pod_against_seed_003(plans):

@@ -79,6 +79,17 @@ class Architecture:
         }
         return self.num_layers * sum(rank * sum(shapes[t]) for t in targets)
 
+    # ------------------------------------------------------------ what Tunix's model computes in float32
+    @property
+    def float32_softmax(self) -> bool:
+        """Tunix's Qwen and Llama models take the attention softmax in float32 (Gemma's in the compute dtype)."""
+        return self.model_type in ("qwen2", "qwen3", "llama")
+
+    @property
+    def float32_logits(self) -> bool:
+        """Tunix's Qwen models return their logits cast to float32."""
+        return self.model_type in ("qwen2", "qwen3")
+
     # ------------------------------------------------------------ compute
     def train_flops_per_token(self, seq_len: int, mode: str = "full", remat: str = "none") -> float:
         """Forward + backward FLOPs per token (6 per weight for full training, 4 when the
