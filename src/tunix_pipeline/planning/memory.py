@@ -172,49 +172,51 @@ def estimate_memory(arch: Architecture, setup: TrainSetup) -> MemoryEstimate:
 
 def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float) -> tuple[float, float, float]:
     """(saved for the backward pass by every layer, the loss's buffers, one layer's backward), bytes
-    per device, as XLA:TPU keeps them (its buffer assignment for Gemma-2B and Qwen2.5-0.5B steps)."""
+    per device, as XLA:TPU keeps them (its buffer assignment for Gemma-2B, Qwen2.5-0.5B and the 7M
+    pod model's steps on v5e and v4 topologies; `planning.xla`)."""
     c, tp = s.c_bytes, s.tp
+    a = 4 if arch.float32_activations else c  # the activations' bytes
     d, f, length = arch.hidden_size, arch.intermediate_size, s.seq_len
     tokens = s.per_device_batch * length  # rows per data-parallel device; tp splits features and heads
     # a layer's activations per token: the gated MLP's gate and up projections and their product
-    # (the GELU is recomputed inside the backward's fusion), q, k, v and the attention's output, the
-    # inputs and outputs of its two norms; per attention score only the softmax's output (its
-    # backward needs nothing else), in float32 beside the compute dtype where the family takes the
-    # softmax in float32 (Qwen, Llama)
-    # (and the float32 q and k that Tunix's RoPE computes). XLA:TPU lays tensors out in tiles of
-    # 128 along their minor dimension: the attention's per-head tensors and scores carry the
-    # sequence there, padded to a multiple of 128 (the 7M pod model's 97 tokens take 128)
+    # (the GELU is recomputed inside the backward's fusion), the inputs and outputs of its two
+    # norms, q, k, v and the attention's output, the float32 q and k of Tunix's RoPE, and per
+    # attention score only the softmax's output (its backward needs nothing else; in float32 beside
+    # the activations' dtype where the family takes the softmax in float32). XLA:TPU lays tensors
+    # out in tiles of 128 along their minor dimension: the attention's tensors carry the sequence
+    # there, padded to a multiple of 128 (the 7M pod model's 97 tokens take 128)
     padded = math.ceil(length / 128) * 128 / length
     qkvo = (2 * arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
     rope = (arch.num_heads + arch.num_kv_heads) * arch.head_dim * 4
-    score = c + (4 if arch.float32_softmax else 0)
-    per_head = (qkvo * c + rope + arch.num_heads * length * score) * padded
-    one_layer = tokens * ((3 * f + 4 * d) * c + per_head) / tp
+    score = a + (4 if arch.float32_softmax and a < 4 else 0)
+    per_head = (qkvo * a + rope + arch.num_heads * length * score) * padded
+    one_layer = tokens * ((3 * f + 4 * d) * a + per_head) / tp
     # with fsdp, the backward's matmuls reuse the forward's all-gather of a layer's weights (remat
     # too: the gather moves ahead of the barrier that guards the recomputation), so every layer
-    # keeps its weights gathered until its backward
-    gathered = arch.layer_matrix_params / tp * (c if s.mode == "full" else frozen_bytes) if s.fsdp > 1 else 0.0
+    # keeps its weights gathered until its backward (Qwen: also their float32 cast)
+    gathered = 0.0
+    if s.fsdp > 1:
+        gathered = arch.layer_matrix_params / tp * ((c if s.mode == "full" else frozen_bytes) + (4 if a > c else 0))
     if s.remat == "none":
         activations = arch.num_layers * (one_layer + gathered)
     else:  # each block's input only; a layer's backward recomputes its activations after the loss
-        kept = (4 if s.remat == "attention" else 1) * tokens * d / tp * c
+        kept = (4 if s.remat == "attention" else 1) * tokens * d / tp * a
         activations = arch.num_layers * (kept + gathered)
 
     # the loss: the output head (all-gathered with fsdp; its gradient is whole until reduce-scattered)
     # and batch x length x vocabulary logits (XLA:TPU does not split them over tp)
     head = arch.vocab_size * d * c
-    logits_c = tokens * arch.vocab_size * c
-    logits_f32 = tokens * arch.vocab_size * 4 * (2 if arch.float32_logits else 1)
     gradient_head = head if s.fsdp > 1 else 0.0  # with fsdp 1 it is the sharded gradient itself
+    logits = tokens * arch.vocab_size * a
     if not s.loss_chunk:
-        # forward: the logits and their float32 upcast (and the model's own float32 logits in
-        # families that return them); backward: the logits' gradient beside the head's gradient
-        loss = head + max(logits_c + logits_f32, gradient_head + logits_c)
+        # forward: the logits and their shifted float32 copy (`logits[:, :-1]` upcast); backward:
+        # the logits' gradient beside the head's gradient
+        loss = head + max(logits + tokens * arch.vocab_size * 4, gradient_head + logits)
     else:
         # backward of the chunked loss: the logits (the chunks are recomputed from them), their
         # gradient assembled chunk by chunk, and one chunk's float32 softmax with its gradient
         chunk = s.per_device_batch * min(s.loss_chunk, length) * arch.vocab_size * 4
-        loss = head + gradient_head + 2 * logits_c + 2 * chunk
+        loss = head + gradient_head + 2 * logits + 2 * chunk
     return activations, loss, one_layer
 
 
