@@ -19,8 +19,9 @@ models' matmuls in float32 there, keeping a mixture of both), so
 `planning.check_against_xla` checks a bf16 run as the same step in float32.
 
 Deep models are compiled at one and two layer periods (XLA:TPU: two and
-three) and extrapolated linearly (every further layer adds the same buffers),
-which is much faster than compiling every layer.
+three) and extrapolated linearly (every further layer adds the same weights
+and, mostly, the same temporaries; the temporaries are never extrapolated
+downwards), which is much faster than compiling every layer.
 
 Run as `python -m tunix_pipeline.planning.xla` (a JSON request on stdin, the
 result on stdout) when this process lacks the fake devices.
