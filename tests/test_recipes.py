@@ -264,8 +264,9 @@ def test_gpu24_lora_against_seed_002(plans, params):
 def test_gpu80_lora_7b_against_seed_002(plans):
     summary, _ = plans["gpu80_lora_7b"]
     assert summary["status"] == "ok" and summary["memory_per_device_gib"] < 0.75 * 80
-    # seed 002: "Qwen2.5-7B LoRA: ~28 GB"; the plan adds the activations of 4 x 512 tokens without remat
-    assert 0.9 < summary["memory_per_device_gib"] * GIB / (28 * GB) < 1.5
+    # seed 002: "Qwen2.5-7B LoRA: ~28 GB"; the plan adds the activations of 4 x 512 tokens without remat,
+    # in float32 (Tunix's Qwen computes in its config's dtype, float32)
+    assert 0.9 < summary["memory_per_device_gib"] * GIB / (28 * GB) < 1.7
 
 
 def test_tpu_full_against_seed_000(plans):

@@ -206,7 +206,8 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
     # the loss: the output head (all-gathered with fsdp; its gradient is whole until reduce-scattered)
     # and batch x length x vocabulary logits (XLA:TPU does not split them over tp)
     head = arch.vocab_size * d * c
-    gradient_head = head if s.fsdp > 1 else 0.0  # with fsdp 1 it is the sharded gradient itself
+    # the head's weight gradient: none for a frozen head (LoRA), the sharded gradient itself with fsdp 1
+    gradient_head = head if s.fsdp > 1 and s.mode == "full" else 0.0
     logits = tokens * arch.vocab_size * a
     if not s.loss_chunk:
         # forward: the logits and their shifted float32 copy (`logits[:, :-1]` upcast); backward:
