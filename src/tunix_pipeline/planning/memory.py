@@ -210,9 +210,11 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
     gradient_head = head if s.fsdp > 1 and s.mode == "full" else 0.0
     logits = tokens * arch.vocab_size * a
     if not s.loss_chunk:
-        # forward: the logits and their shifted float32 copy (`logits[:, :-1]` upcast); backward:
-        # the logits' gradient beside the head's gradient
-        loss = head + max(logits + tokens * arch.vocab_size * 4, gradient_head + logits)
+        # forward: the logits, their float32 upcast (none when the model returns float32) and the
+        # float32 exponentials the log-sum-exp keeps for its backward; backward: the logits'
+        # gradient beside the head's gradient
+        f32 = tokens * arch.vocab_size * 4 * (1 if a == 4 else 2)
+        loss = head + max(logits + f32, gradient_head + logits)
     else:
         # backward of the chunked loss: the logits (the chunks are recomputed from them), their
         # gradient assembled chunk by chunk, and one chunk's float32 softmax with its gradient
