@@ -98,16 +98,15 @@ GRID = [(batch, length, remat) for remat in ("none", "decoder") for length in (5
 @pytest.mark.slow
 @pytest.mark.parametrize("batch,length,remat", GRID, ids=[f"{b}x{n}-{r}" for b, n, r in GRID])
 def test_the_estimate_is_within_10_percent_of_xla_tpu_for_gemma_2b(batch, length, remat):
-    # Gemma-2B, full bf16 weights, fsdp over a v5e 2x4, compiled by XLA:TPU at 2 and 3 layers (the
-    # depths the plan extrapolates from) and held against the estimate for the same depths: every
-    # term, the per-layer ones twice, without the extrapolation's own error (XLA:TPU compiles 1 x 512
-    # without remat into fewer temporaries at 3 layers than at 2). An analytic model of a compiler's
-    # buffer assignment: 10% is the accuracy asked of it (issue 15), not rounding
+    # Gemma-2B, full bf16 weights, fsdp over a v5e 2x4, compiled by XLA:TPU at 3 layers (the deeper of
+    # the plan's two depths; ~1.5 min of one core each) and held against the estimate for the same
+    # depth: every term, the per-layer ones three times, without the extrapolation's own error
+    # (XLA:TPU compiles 1 x 512 without remat into fewer temporaries at 3 layers than at 2). An
+    # analytic model of a compiler's buffer assignment: 10% is the accuracy asked of it (issue 15)
     setup = TrainSetup(per_device_batch=batch, seq_len=length, fsdp=8, param_dtype="bfloat16", remat=remat)
-    for layers in (2, 3):
-        got = xla.compile_step(GEMMA_2B, setup, layers, None, xla.tpu_devices("v5e:2x4"))
-        estimate = estimate_memory(dataclasses.replace(GEMMA_2B, num_layers=layers), setup).peak
-        difference = (estimate - got["peak"]) / got["peak"]
-        print(f"gemma-2b {batch} x {length} remat {remat}, {layers} layers: XLA:TPU {got['peak'] / GIB:.2f} GiB, "
-              f"estimate {difference:+.1%} ({got['seconds']:.0f} s)")
-        assert abs(difference) < 0.10, (layers, estimate / GIB, got)
+    got = xla.compile_step(GEMMA_2B, setup, 3, None, xla.tpu_devices("v5e:2x4"))
+    estimate = estimate_memory(dataclasses.replace(GEMMA_2B, num_layers=3), setup).peak
+    difference = (estimate - got["peak"]) / got["peak"]
+    print(f"gemma-2b {batch} x {length} remat {remat}, 3 layers: XLA:TPU {got['peak'] / GIB:.2f} GiB, "
+          f"estimate {difference:+.1%} ({got['seconds']:.0f} s)")
+    assert abs(difference) < 0.10, (estimate / GIB, got)
