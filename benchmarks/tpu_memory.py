@@ -3,10 +3,10 @@
     python benchmarks/tpu_memory.py                 # Gemma-2B on a v5e-8: batch 1/2/4 x 512/1024, remat or not
     python benchmarks/tpu_memory.py --recipes       # the TPU recipes' own steps (tpu_full, qwen05b_v5e8, v4_64_pod)
 
-Each line: the setup, XLA:TPU's peak bytes per chip (1 and 2 layers compiled, extrapolated;
-2 and 3 when a lone layer schedules differently), the estimate for the same step, their
-difference, and the compile time. The data to fit `planning.memory`'s accelerator coefficients
-to; each compile takes ~0.5-1 min of one core (Gemma-2B layers at these lengths).
+Each line: the setup, XLA:TPU's peak bytes per chip (2 and 3 layers compiled and extrapolated, as
+the plan does: `xla.xla_peak`), the estimate for the same step, their difference, and the compile
+time. `tests/test_tpu_compile.py` and `tests/test_recipes.py` hold the estimate to 10% of these.
+Each compile takes ~1-5 min of this CPU (Gemma-2B layers at these lengths; more under load).
 """
 
 from __future__ import annotations

@@ -205,9 +205,11 @@ def test_qwen05b_v5e8_against_seed_001(plans, params):
     assert summary["steps"] == 90 and "3.0 epochs" in report
     # seed 001: ~1.7 GB per core, "well within 16 GB"; it counts the bf16 weights (1 GB) and the layer
     # inputs (~0.7 GB). The plan's weights (sharded 8 ways, fp32 masters, bf16 copy) and kept activations
-    # come to about that; it adds the AdamW state and the float32 logits of a 151,936-word vocabulary
+    # come to more: Tunix's Qwen computes in float32 (its layer inputs are twice the seed's) and XLA keeps
+    # each layer's gathered weights for the backward; it adds the AdamW state and the float32 logits of a
+    # 151,936-word vocabulary
     assert summary["memory_fraction"] < 0.65  # XLA:TPU compiles the step to ~9.1 GiB per 16 GiB chip
-    assert 0.6 < (m["params_gib"] + m["activations_gib"]) * GIB / (1.7 * GB) < 1.4
+    assert 0.6 < (m["params_gib"] + m["activations_gib"]) * GIB / (1.7 * GB) < 2.0
     assert m["logits_gib"] > 3 and summary["memory_per_device_gib"] > 1.7 * GB / GIB
     # seed 001: ~30 min for 3 epochs, $0.60 preemptible, $2.40 on demand, ~0.1 s a batch of 32
     assert 0.4 < summary["hours"] < 0.75
@@ -228,10 +230,7 @@ def test_the_tpu_recipes_compile_for_their_topology_and_fit(plans, env):
     assert summary["memory_per_device_gib"] == round(xla["xla_gib"], 3) and summary["memory_fraction"] < 1
     assert f"compiled by XLA:TPU for {TPU_RECIPES[env]}" in report and "is **assumed**" in report
     print(f"{env}: XLA:TPU {xla['xla_gib']:.2f} GiB per chip, estimate {xla['difference']:+.1%} ({xla['method']})")
-    if env == "tpu_full":
-        # the job the estimate's accelerator coefficients were fitted on (Gemma-2B): within 10%. The
-        # others are not yet: Qwen2.5-0.5B's remat step and the 7M pod model keep more than it says
-        assert abs(xla["difference"]) < 0.10, xla
+    assert abs(xla["difference"]) < 0.10, xla
 
 
 def test_v4_64_pod_against_seed_003(plans):
@@ -266,8 +265,9 @@ def test_gpu24_lora_against_seed_002(plans, params):
 def test_gpu80_lora_7b_against_seed_002(plans):
     summary, _ = plans["gpu80_lora_7b"]
     assert summary["status"] == "ok" and summary["memory_per_device_gib"] < 0.75 * 80
-    # seed 002: "Qwen2.5-7B LoRA: ~28 GB"; the plan adds the activations of 4 x 512 tokens without remat
-    assert 0.9 < summary["memory_per_device_gib"] * GIB / (28 * GB) < 1.5
+    # seed 002: "Qwen2.5-7B LoRA: ~28 GB"; the plan adds the activations of 4 x 512 tokens without remat,
+    # in float32 (Tunix's Qwen computes in its config's dtype, float32)
+    assert 0.9 < summary["memory_per_device_gib"] * GIB / (28 * GB) < 1.7
 
 
 def test_tpu_full_against_seed_000(plans):

@@ -5,6 +5,7 @@ plan profile's `topology`; the plan then rests on the compiled step's memory and
 and the sft preflight stops a run XLA:TPU says cannot fit.
 """
 
+
 import pandas as pd
 import pytest
 import yaml
@@ -61,7 +62,7 @@ def _preflight(plan, sft, length):
 
 
 def test_the_sft_preflight_uses_xla_tpus_figure():
-    # the tiny model, 2 x 128 tokens per chip: the estimate says ~4.4 MiB, XLA:TPU ~0.6 MiB; a 2 MiB chip
+    # the tiny model, 2 x 128 tokens per chip: the estimate says ~5.6 MiB, XLA:TPU ~0.6 MiB; a 2 MiB chip
     plan, sft = _tiny_on(2 / 1024)
     estimate = build_plan(ModelParams(), sft, RuntimeParams(), TokenizeParams(max_length=128), plan)
     assert estimate.status == "over"

@@ -78,6 +78,18 @@ class Architecture:
         }
         return self.num_layers * sum(rank * sum(shapes[t]) for t in targets)
 
+    # ------------------------------------------------------------ what Tunix's model computes in float32
+    @property
+    def float32_activations(self) -> bool:
+        """Tunix's Qwen models compute in their config's dtype, float32 (it casts each weight and input
+        to it), whatever the weights' or `sft.compute_dtype`; Gemma's and Llama's in the weights' dtype."""
+        return self.model_type in ("qwen2", "qwen3")
+
+    @property
+    def float32_softmax(self) -> bool:
+        """Tunix's Qwen and Llama models take the attention softmax in float32."""
+        return self.model_type in ("qwen2", "qwen3", "llama")
+
     # ------------------------------------------------------------ compute
     def train_flops_per_token(self, seq_len: int, mode: str = "full", remat: str = "none") -> float:
         """Forward + backward FLOPs per token (6 per weight for full training, 4 when the

@@ -1,34 +1,30 @@
 """Memory per device of one Tunix SFT train step, from the model's shape alone.
 
-What the step holds at its peak (the start of the backward pass), per device:
+XLA reports a step's memory as arguments + outputs - aliases + temporaries; the
+estimate counts the same buffers, per device.
 
-- parameters: the weights, sharded over fsdp x tp (replicated over data);
-  Tunix's jitted step donates the optimizer state but not the model, so a
-  trained weight exists twice while the step runs (the input and the update);
-  `sft.compute_dtype: bfloat16` adds a bf16 copy of fp32 master weights;
-- gradients of the trained weights and the optimizer state (AdamW: two
-  moments in the parameter dtype; Adafactor: factored second moments);
-  gradient accumulation (optax.MultiSteps) adds a gradient-sized buffer;
-- activations kept for the backward pass, per layer: the gated MLP's
-  intermediates and its input, the attention scores (batch x heads x length x
-  length, in several copies), and the layer's all-gathered weights (XLA keeps
-  the fsdp all-gather of the forward pass for the backward pass); remat keeps
-  only each block's input and recomputes one layer at a time;
-- logits: the loss upcasts batch x length x vocabulary logits to float32 (only
-  a chunk of positions at a time with `sft.loss_chunk_size`); with the
-  compute-dtype copy and the gathered output head this is what makes Gemma's
-  256k vocabulary expensive.
+Resident (arguments and outputs): the weights, sharded over fsdp x tp
+(replicated over data); Tunix's jitted step donates the optimizer state but not
+the model, so a trained weight exists twice (the input and the update). AdamW
+keeps two moments in the parameter dtype, Adafactor factored second moments;
+gradient accumulation (optax.MultiSteps) keeps a gradient-sized accumulator.
 
-How many copies XLA keeps of each kind was fitted to XLA's own figures for
-this step (`memory_analysis()` of the compiled program, `planning.xla`): the
-TPU compiler's (deviceless compilation with libtpu, Gemma-2B and
-Qwen2.5-0.5B shapes) for accelerators, the CPU compiler's on the fake 8-device
-mesh for the `cpu` backend. `tests/test_planning.py` keeps them honest.
+Temporaries, on an accelerator (what XLA:TPU keeps live, read off its compiled
+buffer assignment for Gemma-2B and Qwen2.5-0.5B on a v5e 2x4; `planning.xla`):
+the peak is the larger of the forward-backward pass's and the optimizer
+update's (XLA reuses the same memory for both). The forward-backward peak is at
+the loss: every layer's saved tensors, plus the output head's all-gathered
+weights and their unreduced gradient and the logits. Without remat a layer
+saves its activations (the softmax's output of the attention scores, the gated
+MLP's projections, q/k/v); with remat only its input. The XLA:CPU compiler
+keeps more (no bf16 matmul, fewer fusions): its counts are separate
+coefficients, checked by `tests/test_planning.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from tunix_pipeline.planning.architecture import Architecture
 
@@ -40,7 +36,7 @@ NF4_BYTES = 0.5 + 4 / 64
 
 @dataclasses.dataclass(frozen=True)
 class Coefficients:
-    """How much of each kind of tensor XLA keeps (per token and per layer unless said otherwise)."""
+    """How much of each kind of tensor XLA:CPU keeps (per token and per layer unless said otherwise)."""
 
     mlp_bytes: dict  # per intermediate feature of the gated MLP (gate, up, product, ...), by compute dtype
     hidden_copies: float  # batch x length x hidden tensors, compute dtype
@@ -52,23 +48,6 @@ class Coefficients:
     vocab_over_tp: bool  # whether the logits and the output head are split over tp
 
 
-# XLA:TPU (v5e 2x4, deviceless compilation with libtpu): Gemma-2B shape, 1-2 layers, length
-# 512/1024, bf16 and f32, fsdp 8 and fsdp 4 x tp 2, remat none/decoder: within ~10%, the whole
-# 18-layer model (extrapolated) within +5%; the TPU does not split the loss over tp. Qwen2.5-0.5B's
-# GQA attention keeps less than Gemma's (the estimate is ~30% over per layer at length 1024, close
-# at 512). Used for TPUs and GPUs. Against the plan's own XLA:TPU compile (libtpu 0.0.42, layers 2
-# and 3 extrapolated; `benchmarks/tpu_memory.py --recipes`): tpu_full's step +4%, Qwen2.5-0.5B's
-# (qwen05b_v5e8) -25%, the 7M pod model's (v4_64_pod) -25%: to be refitted there.
-ACCELERATOR = Coefficients(
-    mlp_bytes={"bfloat16": 6.0, "float32": 12.0},
-    hidden_copies=1.0,
-    score_bytes={"bfloat16": 11.0, "float32": 5.2},
-    logit_f32_copies=1.0,
-    logit_compute_copies=1.0,
-    head_copies=2.0,
-    gathered_layers=1.0,
-    vocab_over_tp=False,
-)
 # XLA:CPU on the fake 8-device mesh (the tiny model; Gemma-2B shapes in float32). The CPU keeps
 # more of the GELU's intermediates and computes bf16 matmuls in float32.
 CPU = Coefficients(
@@ -81,10 +60,6 @@ CPU = Coefficients(
     gathered_layers=1.0,
     vocab_over_tp=True,
 )
-
-
-def coefficients(backend: str) -> Coefficients:
-    return CPU if backend == "cpu" else ACCELERATOR
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,13 +127,9 @@ class MemoryEstimate:
 
 def estimate_memory(arch: Architecture, setup: TrainSetup) -> MemoryEstimate:
     s = setup
-    k = coefficients(s.backend)
     c, p = s.c_bytes, s.p_bytes
     shards = s.fsdp * s.tp  # weights are replicated over the data axis
-    tokens = s.per_device_batch * s.seq_len  # rows per data-parallel device; tp splits features and heads
-    d, f = arch.hidden_size, arch.intermediate_size
-    layers = arch.num_layers
-    matrices = arch.embedding_params + layers * arch.layer_matrix_params
+    matrices = arch.embedding_params + arch.num_layers * arch.layer_matrix_params
     vectors = arch.params - matrices
     weights_dev = matrices / shards + vectors / s.tp
 
@@ -182,7 +153,82 @@ def estimate_memory(arch: Architecture, setup: TrainSetup) -> MemoryEstimate:
     if s.grad_accum > 1:
         optimizer += trainable_dev * p  # optax.MultiSteps' gradient accumulator
 
-    # activations kept for the backward pass
+    kept = _kept_on_cpu if s.backend == "cpu" else _kept_on_accelerator
+    activations, logits, one_layer = kept(arch, s, frozen_bytes)
+    # the larger of the forward-backward pass's peak (at the loss) and a layer's backward or the
+    # optimizer update's (the gradients, with one layer's working set): XLA reuses the same memory
+    peak = params + optimizer + max(activations + logits, grads + one_layer)
+    return MemoryEstimate(
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        activations=activations,
+        logits=logits,
+        peak=peak,
+        trainable_params=int(trainable),
+        total_params=int(arch.params + (trainable if s.mode != "full" else 0)),
+    )
+
+
+def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float) -> tuple[float, float, float]:
+    """(saved for the backward pass by every layer, the loss's buffers, one layer's backward), bytes
+    per device, as XLA:TPU keeps them (its buffer assignment for Gemma-2B, Qwen2.5-0.5B and the 7M
+    pod model's steps on v5e and v4 topologies; `planning.xla`)."""
+    c, tp = s.c_bytes, s.tp
+    a = 4 if arch.float32_activations else c  # the activations' bytes
+    d, f, length = arch.hidden_size, arch.intermediate_size, s.seq_len
+    tokens = s.per_device_batch * length  # rows per data-parallel device; tp splits features and heads
+    # a layer's activations per token: the gated MLP's gate and up projections and their product
+    # (the GELU is recomputed inside the backward's fusion), the inputs and outputs of its two
+    # norms, q, k, v and the attention's output, the float32 q and k of Tunix's RoPE, and per
+    # attention score only the softmax's output (its backward needs nothing else; in float32 beside
+    # the activations' dtype where the family takes the softmax in float32). XLA:TPU lays tensors
+    # out in tiles of 128 along their minor dimension: the attention's tensors carry the sequence
+    # there, padded to a multiple of 128 (the 7M pod model's 97 tokens take 128)
+    padded = math.ceil(length / 128) * 128 / length
+    qkvo = (2 * arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    rope = (arch.num_heads + arch.num_kv_heads) * arch.head_dim * 4
+    score = a + (4 if arch.float32_softmax and a < 4 else 0)
+    per_head = (qkvo * a + rope + arch.num_heads * length * score) * padded
+    one_layer = tokens * ((3 * f + 4 * d) * a + per_head) / tp
+    # with fsdp, the backward's matmuls reuse the forward's all-gather of a layer's weights (remat
+    # too: the gather moves ahead of the barrier that guards the recomputation), so every layer
+    # keeps its weights gathered until its backward (Qwen: also their float32 cast)
+    gathered = 0.0
+    if s.fsdp > 1:
+        gathered = arch.layer_matrix_params / tp * ((c if s.mode == "full" else frozen_bytes) + (4 if a > c else 0))
+    if s.remat == "none":
+        activations = arch.num_layers * (one_layer + gathered)
+    else:  # each block's input only; a layer's backward recomputes its activations after the loss
+        kept = (4 if s.remat == "attention" else 1) * tokens * d / tp * a
+        activations = arch.num_layers * (kept + gathered)
+
+    # the loss: the output head (all-gathered with fsdp; its gradient is whole until reduce-scattered)
+    # and batch x length x vocabulary logits (XLA:TPU does not split them over tp)
+    head = arch.vocab_size * d * c
+    # the head's weight gradient: none for a frozen head (LoRA), the sharded gradient itself with fsdp 1
+    gradient_head = head if s.fsdp > 1 and s.mode == "full" else 0.0
+    logits = tokens * arch.vocab_size * a
+    if not s.loss_chunk:
+        # forward: the logits, their float32 upcast (none when the model returns float32) and the
+        # float32 exponentials the log-sum-exp keeps for its backward; backward: the logits'
+        # gradient beside the head's gradient
+        f32 = tokens * arch.vocab_size * 4 * (1 if a == 4 else 2)
+        loss = head + max(logits + f32, gradient_head + logits)
+    else:
+        # backward of the chunked loss: the logits (the chunks are recomputed from them), their
+        # gradient assembled chunk by chunk, and one chunk's float32 softmax with its gradient
+        chunk = s.per_device_batch * min(s.loss_chunk, length) * arch.vocab_size * 4
+        loss = head + gradient_head + 2 * logits + 2 * chunk
+    return activations, loss, one_layer
+
+
+def _kept_on_cpu(arch: Architecture, s: TrainSetup, frozen_bytes: float) -> tuple[float, float, float]:
+    """The same for XLA:CPU on the fake mesh, with coefficients fitted to its compiled figures."""
+    k = CPU
+    c = s.c_bytes
+    tokens = s.per_device_batch * s.seq_len
+    d, f, layers = arch.hidden_size, arch.intermediate_size, arch.num_layers
     per_token = (k.mlp_bytes[s.c_dtype] * f + k.hidden_copies * d * c) / s.tp
     scores = arch.num_heads * s.seq_len / s.tp * k.score_bytes[s.c_dtype]
     layer_weights = arch.layer_matrix_params / s.tp * (c if s.mode == "full" else frozen_bytes)
@@ -194,32 +240,17 @@ def estimate_memory(arch: Architecture, setup: TrainSetup) -> MemoryEstimate:
         kept = (4 if s.remat == "attention" else 1) * tokens * d / s.tp * c
         activations = layers * (kept + gathered) + one_layer
 
-    # the loss's logits and the output head
     vocab_tp = s.tp if k.vocab_over_tp else 1
     vocab_dev = arch.vocab_size / vocab_tp
     f32_positions = tokens if not s.loss_chunk else s.per_device_batch * min(s.loss_chunk, s.seq_len)
     compute_copies = k.logit_compute_copies if c < 4 else 0.0
     logits = vocab_dev * (f32_positions * k.logit_f32_copies * 4 + tokens * compute_copies * c)
     if s.loss_chunk:
-        # one whole batch x length x vocabulary buffer beside the chunks: the model's logits (float32
-        # runs; bf16 runs count them above) or, in bf16, their gradient assembled chunk by chunk
-        # (XLA:TPU, tpu_full's step: ~2 GiB more than the unchunked copies say at 4 x 1024 tokens)
-        logits += tokens * vocab_dev * c
+        logits += tokens * vocab_dev * c  # the whole logits beside the chunks
     head = arch.vocab_size * d / vocab_tp * c
     logits += k.head_copies * head if s.fsdp > 1 else head
-
-    embed_grads = arch.embedding_params / shards * p if s.mode == "full" else 0.0
-    peak = params + optimizer + max(activations + logits + embed_grads, grads + one_layer)
-    return MemoryEstimate(
-        params=params,
-        grads=grads,
-        optimizer=optimizer,
-        activations=activations,
-        logits=logits,
-        peak=peak,
-        trainable_params=int(trainable),
-        total_params=int(arch.params + (trainable if s.mode != "full" else 0)),
-    )
+    logits += arch.embedding_params / (s.fsdp * s.tp) * s.p_bytes if s.mode == "full" else 0.0  # embedding gradients
+    return activations, logits, one_layer
 
 
 def _adafactor_state(arch: Architecture, s: TrainSetup) -> float:
