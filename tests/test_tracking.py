@@ -46,7 +46,7 @@ def test_the_resolved_configuration_never_holds_credentials():
 def test_a_long_parameter_or_tag_becomes_an_artifact(store, tmp_path):
     long_value = "x" * (tracking.MAX_PARAM_LENGTH + 1)
     long_tag = "y" * (tracking.MAX_TAG_LENGTH + 1)
-    run = tracking.start_run(store, TrackingParams(experiment="t"), {"prompt": {"template": long_value}, "a": 1},
+    run = tracking.start_run(store, TrackingParams(experiment="t", log_outputs=[]), {"prompt": {"template": long_value}, "a": 1},
                              tags={"kedro_command": long_tag, "kedro.env": "local"}, run_name="p@local")
     tracking.end_run(failed=False)
     client = mlflow.MlflowClient(store)
@@ -63,7 +63,7 @@ def test_a_long_parameter_or_tag_becomes_an_artifact(store, tmp_path):
 
 def test_the_restart_rule(store):
     client = mlflow.MlflowClient(store)
-    params = TrackingParams(experiment="t")
+    params = TrackingParams(experiment="t", log_outputs=[])
 
     def run(status, env="local", config=PARAMS):
         started = tracking.start_run(store, params, config, tags={"kedro.env": env, "kedro_command": "kedro run"})

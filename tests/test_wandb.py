@@ -22,7 +22,7 @@ def test_training_curves_reach_mlflow_and_wandb(tmp_path, tiny_model_dir, tokeni
     model, _ = load_model(tiny_model_dir, mesh)
     sft = SftParams(max_steps=4, per_device_batch_size=1, learning_rate=1e-2, warmup_steps=1,
                     checkpoint_every=4, checkpoint_dir=str(tmp_path / "ckpt"))
-    tracking = TrackingParams(wandb={"enabled": True, "mode": "offline", "project": "test"})
+    tracking = TrackingParams(wandb={"enabled": True, "mode": "offline", "project": "test"}, log_outputs=[])
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     mlflow.set_experiment("wandb_test")  # not the experiment an earlier test left active in another store
     with mlflow.start_run() as run:

@@ -140,7 +140,7 @@ class RuntimeParams(Strict):
     # the checkpoints, sessions ledger and export under it also accept a gs://bucket/path URI (`gcs` extra)
     output_root: str = "data"
     # Fake CPU devices to expose when JAX runs on the CPU (no effect on GPU/TPU).
-    host_device_count: int = Field(1, ge=1)
+    host_device_count: int = Field(8, ge=1)
     # "auto": every device on the fsdp axis; or explicit sizes, e.g. {data: 2, fsdp: 4, tp: 1}
     mesh: Literal["auto"] | dict[Literal["data", "fsdp", "tp"], int] = "auto"
     # multi-host: off (one process), auto (JAX finds the cluster: TPU pods, SLURM, ...), or explicit
@@ -279,7 +279,7 @@ class EvaluateParams(Strict):
     # the eval loss's forward pass over every row (and a 262k-word output layer) can cost more than
     # generating: a CPU run measures it on the first rows only
     loss_rows: int | None = Field(None, gt=0, description="eval token rows the eval loss covers; null: all")
-    max_new_tokens: int = Field(64, gt=0)
+    max_new_tokens: int = Field(48, gt=0)
     # prompts longer than this (in tokens) are skipped and counted; null: room for the longest one
     max_prompt_length: int | None = Field(None, gt=0)
     batch_size: int = Field(8, gt=0, description="sequences per generation call (prompts x samples)")
@@ -341,7 +341,7 @@ class GrpoParams(Strict):
         [
             RewardParams(fn="format_exact", weight=1.0),
             RewardParams(fn="format_approx", weight=0.5),
-            RewardParams(fn="answer", weight=2.0),
+            RewardParams(fn="answer", weight=2.0, kwargs={"tolerance": 1e-6}),
         ],
         min_length=1,
     )
@@ -503,7 +503,7 @@ class TrackingParams(Strict):
     register_model: RegistryParams = RegistryParams()
     # Node outputs logged to the run: dicts as JSON + numeric metrics,
     # DataFrames as JSONL, strings as text.
-    log_outputs: list[str] = []
+    log_outputs: list[str]  # no default: conf/base lists them
 
 
 # ---------------------------------------------------------------- plan (preflight: memory, time, cost)
@@ -587,7 +587,7 @@ class PlanParams(Strict):
     xla_check: XlaCheckParams = XlaCheckParams()
     profiles: dict[str, HardwareProfile] = Field(min_length=1)
     # hub id -> its config.json, for models not downloaded yet
-    architectures: dict[str, dict] = {}
+    architectures: dict[str, dict]  # no default: conf/base holds the table
 
     @model_validator(mode="after")
     def _known_hardware(self):

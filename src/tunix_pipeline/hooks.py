@@ -1,4 +1,9 @@
-"""Project hooks: JAX device set-up before any node, one MLflow run per `kedro run`, the session ledger."""
+"""Project hooks, one class per concern: credentials, JAX devices and the mesh, the MLflow run, the session ledger.
+
+Each reads its own sections of the parameters in `after_context_created`. Where two must run in an order
+(the ledger refuses a finished plan before anything starts, and records the MLflow run before it ends),
+`tryfirst` / `trylast` say so. Nodes are found by the names `tunix_pipeline.pipelines` defines.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +17,13 @@ from kedro.framework.project import settings
 from pydantic import BaseModel
 
 from tunix_pipeline.config import RuntimeParams, SourceParams, TrackingParams
-from tunix_pipeline.runtime import check_shared_folders, configure_host_devices, initialize_distributed, orbax_folders
+from tunix_pipeline.pipelines import TRAIN_SFT, TRAINING_NODES
+from tunix_pipeline.runtime import (
+    check_shared_folders, configure_host_devices, initialize_distributed, is_main_process, orbax_folders,
+)
 from tunix_pipeline.sessions import Ledger, SessionPlanDone, SessionsParams, brief, expectation, over_weekly_budget
 
 log = logging.getLogger(__name__)
-
-TRAINING_NODES = frozenset({"train_sft", "run_preference", "run_grpo"})  # MLflow's system metrics are sampled while these run
-
 
 # credentials.yml entries -> the environment variables the hub clients read (never overriding one already set)
 CREDENTIAL_ENV = {
@@ -39,52 +44,89 @@ def export_credentials(config_loader) -> None:
             os.environ.setdefault(variable, str(value))
 
 
-class ProjectHooks:
-    def __init__(self):
-        self._tracking: TrackingParams | None = None
-        self._runtime: RuntimeParams | None = None
-        self._params: dict = {}
-        self._env: str | None = None
-        self._project_path = None
-        self._user_uri: str | None = None
-        self._run = None
-        self._sessions: SessionsParams | None = None
-        self._results: dict = {}
-        self._started = 0.0
-        self._monitor = None
+def context_params(context) -> dict:
+    """The run's parameters as plain dicts: validated by Kedro against the nodes' pydantic hints, with --params
+    overrides applied."""
+    return {k: v.model_dump() if isinstance(v, BaseModel) else v for k, v in context.params.items()}
 
+
+def trains(pipeline) -> bool:
+    return TRAIN_SFT in {node.name for node in pipeline.nodes}
+
+
+class CredentialHooks:
     @hook_impl
     def after_context_created(self, context) -> None:
         export_credentials(context.config_loader)
-        # validated by Kedro against the nodes' pydantic hints, with --params overrides applied
-        params = {k: v.model_dump() if isinstance(v, BaseModel) else v for k, v in context.params.items()}
-        self._runtime = RuntimeParams.model_validate(params.get("runtime", {}))
-        configure_host_devices(self._runtime.host_device_count)
-        initialize_distributed(self._runtime.distributed)
-        self._tracking = TrackingParams.model_validate(params.get("tracking", {}))
-        self._sessions = SessionsParams.model_validate(params.get("sessions") or {})
-        self._params = params
-        self._env = context.env
-        self._project_path = context.project_path
+
+
+class RuntimeHooks:
+    """JAX's devices before any node; the mesh and the shared checkpoint folders checked before the first node."""
+
+    def __init__(self):
+        self._params: dict = {}
+        self._runtime: RuntimeParams | None = None
 
     @hook_impl
-    def before_pipeline_run(self, run_params: dict, pipeline) -> None:
-        import jax
+    def after_context_created(self, context) -> None:
+        self._params = context_params(context)
+        self._runtime = RuntimeParams.model_validate(self._params.get("runtime", {}))
+        configure_host_devices(self._runtime.host_device_count)
+        initialize_distributed(self._runtime.distributed)
 
-        from tunix_pipeline import tracking
+    @hook_impl
+    def before_pipeline_run(self, pipeline) -> None:
         from tunix_pipeline.runtime import make_mesh
 
-        self._results, self._started = {}, 0.0  # the hooks object outlives a run (notebooks, tests): nothing carries over
-        trains = "train_sft" in {node.name for node in pipeline.nodes}
-        session_tags = self._begin_session() if trains else {}
         if "params:runtime" in pipeline.inputs():
             make_mesh(self._runtime)  # a mesh that cannot be built fails now, not after tokenizing
         # multi-host: a checkpoint folder that is not shared stops the run in seconds, not in Orbax after minutes
         check_shared_folders(orbax_folders(self._params, (node.name for node in pipeline.nodes)),
                              self._runtime.shared_folder_timeout_s)
 
-        if not self._tracking or not self._tracking.enabled or jax.process_index() != 0:
+
+def session_tags(sessions: SessionsParams) -> dict:
+    """The MLflow tags of a run of the training session `sessions.current`."""
+    current = sessions.current
+    if current is None:
+        return {}
+    parent = current.parent or {}
+    return {"session.name": current.name, "session.index": str(current.index + 1), "session.parent": parent.get("session")}
+
+
+class TrackingHooks:
+    """One MLflow run per `kedro run` (on process 0): outputs, data splits, system metrics, the exported model."""
+
+    def __init__(self):
+        self._params: dict = {}
+        self._tracking: TrackingParams | None = None
+        self._sessions: SessionsParams | None = None
+        self._env: str | None = None
+        self._project_path: Path | None = None
+        self._user_uri: str | None = None
+        self._run = None
+        self._monitor = None
+
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run of the pipeline run in progress; None when tracking is off."""
+        return self._run.info.run_id if self._run is not None else None
+
+    @hook_impl
+    def after_context_created(self, context) -> None:
+        self._params = context_params(context)
+        self._tracking = TrackingParams.model_validate(self._params.get("tracking", {}))
+        self._sessions = SessionsParams.model_validate(self._params.get("sessions") or {})
+        self._env = context.env
+        self._project_path = context.project_path
+
+    @hook_impl(trylast=True)  # after the session's refusal and the mesh check: no MLflow run for a run that cannot start
+    def before_pipeline_run(self, run_params: dict, pipeline) -> None:
+        from tunix_pipeline import tracking
+
+        if not self._tracking or not self._tracking.enabled or not is_main_process():
             return
+        training = trains(pipeline)
         pipelines = ",".join(p or "__default__" for p in run_params.get("pipeline_names") or [run_params.get("pipeline_name")])
         env = run_params.get("env") or self._env or settings.CONFIG_LOADER_ARGS["default_run_env"]
         # mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI; put the user's back afterwards
@@ -92,10 +134,11 @@ class ProjectHooks:
         uri = tracking.tracking_uri(self._tracking, self._project_path)
         # The run a rerun follows: for --only-missing-outputs / --from-nodes / --to-nodes the last run of this
         # output root; for another run that trains, the run recorded beside the checkpoints it resumes
+        output_root = RuntimeParams.model_validate(self._params.get("runtime", {})).output_root
         if tracking.is_restart(run_params):
-            previous = tracking.recorded_run(self._local(self._runtime.output_root), uri)
+            previous = tracking.recorded_run(self._local(output_root), uri)
         else:
-            previous = tracking.recorded_run(self._local(self._params["sft"]["checkpoint_dir"]), uri) if trains else None
+            previous = tracking.recorded_run(self._local(self._params["sft"]["checkpoint_dir"]), uri) if training else None
         resume, lineage = None, {}
         if previous is not None:
             digest = tracking.config_digest(tracking.config_yaml(self._params))
@@ -110,13 +153,13 @@ class ProjectHooks:
                 "kedro.session_id": run_params.get("session_id"),
                 tracking.COMMAND_TAG: tracking.kedro_command(run_params),
                 "mlflow.source.git.commit": tracking.git_commit(),
-                **session_tags,
+                **(session_tags(self._sessions) if training else {}),
                 **lineage,
             },
             run_id=resume,
             run_name=f"{pipelines}@{env}",
         )
-        tracking.remember_run(self._local(self._runtime.output_root))
+        tracking.remember_run(self._local(output_root))
         if resume:
             log.info("MLflow run %s continued (restart of an unfinished run with the same configuration) in %s",
                      resume, uri)
@@ -132,7 +175,7 @@ class ProjectHooks:
     def before_node_run(self, node) -> None:
         from tunix_pipeline import tracking
 
-        if self._run is not None and node.name in TRAINING_NODES:
+        if self._run is not None and node.name in TRAINING_NODES:  # MLflow's system metrics, sampled while they run
             self._monitor = tracking.system_metrics_monitor(self._tracking)
 
     @hook_impl
@@ -140,11 +183,6 @@ class ProjectHooks:
         from tunix_pipeline import tracking
 
         self._stop_monitor()
-        self._results.update({k: v for k, v in outputs.items() if k in ("sft_result", "preference_result", "grpo_result")})
-        planned = (outputs.get("sft_plan") or {}).get("hours")
-        if planned is not None and self._started and self._sessions.current:
-            message, over = expectation(self._sessions, self._ledger(), planned)
-            log.log(logging.WARNING if over else logging.INFO, "%s", message)
         if self._run is None:
             return
         for name, value in outputs.items():
@@ -173,28 +211,58 @@ class ProjectHooks:
             self._monitor.finish()
             self._monitor = None
 
-    @hook_impl
-    def after_pipeline_run(self, catalog) -> None:
-        self._end_session(catalog, failed=False)
+    @hook_impl(trylast=True)  # after the session ledger recorded this run's id
+    def after_pipeline_run(self) -> None:
         self._finish(failed=False)
 
-    @hook_impl
-    def on_pipeline_error(self, catalog) -> None:
-        self._end_session(catalog, failed=True)
+    @hook_impl(trylast=True)
+    def on_pipeline_error(self) -> None:
         self._finish(failed=True)
 
-    # ------------------------------------------------------------ sessions (tunix_pipeline.sessions)
-    def _ledger(self) -> Ledger:
-        return Ledger.load(self._runtime.output_root, self._sessions.previous_root)
+    def _finish(self, failed: bool) -> None:
+        from tunix_pipeline import tracking
 
-    def _begin_session(self) -> dict:
-        """Says what this session will do; refuses when the plan is done. Returns its MLflow tags."""
+        self._stop_monitor()
+        if self._run is not None:
+            tracking.end_run(failed)
+            self._run = None
+            if self._user_uri is None:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
+            else:
+                os.environ["MLFLOW_TRACKING_URI"] = self._user_uri
+
+
+class SessionHooks:
+    """The training session of `sessions.plan` (tunix_pipeline.sessions): what it will do, and its ledger entry."""
+
+    def __init__(self, tracking: TrackingHooks):
+        self._tracking = tracking  # the MLflow run id goes into the ledger
+        self._params: dict = {}
+        self._sessions: SessionsParams | None = None
+        self._results: dict = {}
+        self._started = 0.0
+
+    @hook_impl
+    def after_context_created(self, context) -> None:
+        self._params = context_params(context)
+        self._sessions = SessionsParams.model_validate(self._params.get("sessions") or {})
+
+    def _output_root(self) -> str:
+        return RuntimeParams.model_validate(self._params.get("runtime", {})).output_root
+
+    def _ledger(self) -> Ledger:
+        return Ledger.load(self._output_root(), self._sessions.previous_root)
+
+    @hook_impl(tryfirst=True)  # a finished plan is refused before the mesh is built or an MLflow run starts
+    def before_pipeline_run(self, pipeline) -> None:
+        """Says what this session will do; refuses when the plan is done."""
+        self._results, self._started = {}, 0.0  # the hooks object outlives a run (notebooks, tests): nothing carries over
         current = self._sessions.current if self._sessions else None
-        if current is None:
-            return {}
+        if current is None or not trains(pipeline):
+            return
         if current.plan_done:
             raise SessionPlanDone(
-                f"every session of sessions.plan is finished (ledger: {self._runtime.output_root}/sessions.json); "
+                f"every session of sessions.plan is finished (ledger: {self._output_root()}/sessions.json); "
                 "add a session to the plan, or set runtime.output_root to a new folder to start over"
             )
         ledger = self._ledger()
@@ -203,23 +271,34 @@ class ProjectHooks:
             log.warning("session '%s' (%g h) runs past the weekly budget of %g h: Kaggle may stop it",
                         current.name, current.hours, self._sessions.weekly_hours)
         self._started = time.time()
-        parent = current.parent or {}
-        return {"session.name": current.name, "session.index": str(current.index + 1),
-                "session.parent": parent.get("session")}
 
-    def _end_session(self, catalog, failed: bool) -> None:
+    @hook_impl
+    def after_node_run(self, outputs: dict) -> None:
+        self._results.update({k: v for k, v in outputs.items() if k in ("sft_result", "preference_result", "grpo_result")})
+        planned = (outputs.get("sft_plan") or {}).get("hours")
+        if planned is not None and self._started and self._sessions.current:
+            message, over = expectation(self._sessions, self._ledger(), planned)
+            log.log(logging.WARNING if over else logging.INFO, "%s", message)
+
+    @hook_impl(tryfirst=True)  # before the MLflow run ends
+    def after_pipeline_run(self, catalog) -> None:
+        self._end(catalog, failed=False)
+
+    @hook_impl(tryfirst=True)
+    def on_pipeline_error(self, catalog) -> None:
+        self._end(catalog, failed=True)
+
+    def _end(self, catalog, failed: bool) -> None:
         """Records the run in the ledger; the session is finished once its SFT (preference, GRPO) reached their steps."""
-        import jax
-
         current = self._sessions.current if self._sessions else None
-        if current is None or not self._started or jax.process_index() != 0:
+        if current is None or not self._started or not is_main_process():
             return
         sft, grpo = self._results.get("sft_result"), self._results.get("grpo_result")
         preference = self._results.get("preference_result")
         finished = not failed and sft is not None and not sft.get("stopped_early") \
             and sft["latest_step"] is not None and not any((r or {}).get("stopped_early") for r in (preference, grpo))
         ledger = self._ledger()
-        run_id = self._run.info.run_id if self._run is not None else None
+        run_id = self._tracking.run_id
         outcome = "failed" if failed else "finished" if finished else "stopped"
         ledger.record_run(current.name, self._started, time.time() - self._started, run_id, outcome)
         if finished:
@@ -233,15 +312,3 @@ class ProjectHooks:
                 entry.update(grpo_checkpoint_dir=grpo["checkpoint_dir"], grpo_step=grpo["latest_step"])
             ledger.record_finished(current.index, current.name, entry)
             log.info("session '%s' finished; the next `kedro run` starts the next session of the plan", current.name)
-
-    def _finish(self, failed: bool) -> None:
-        from tunix_pipeline import tracking
-
-        self._stop_monitor()
-        if self._run is not None:
-            tracking.end_run(failed)
-            self._run = None
-            if self._user_uri is None:
-                os.environ.pop("MLFLOW_TRACKING_URI", None)
-            else:
-                os.environ["MLFLOW_TRACKING_URI"] = self._user_uri

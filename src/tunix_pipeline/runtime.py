@@ -15,6 +15,7 @@ import numpy as np
 
 from tunix_pipeline.config import RuntimeParams, SftParams
 from tunix_pipeline.errors import UserError
+from tunix_pipeline.pipelines import RUN_GRPO, RUN_PREFERENCE, TRAIN_SFT
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ class FolderNotShared(UserError, RuntimeError):
 
 
 # the folders Orbax writes from every process together, by the node that writes them
-ORBAX_FOLDERS = {"train_sft": "sft.checkpoint_dir", "run_preference": "preference.checkpoint_dir", "run_grpo": "grpo.checkpoint_dir"}
+ORBAX_FOLDERS = {TRAIN_SFT: "sft.checkpoint_dir", RUN_PREFERENCE: "preference.checkpoint_dir", RUN_GRPO: "grpo.checkpoint_dir"}
 
 
 def orbax_folders(params: dict, node_names: Iterable[str]) -> dict[str, str]:

@@ -1,5 +1,6 @@
 from kedro.pipeline import Node, Pipeline
 
+from tunix_pipeline.pipelines import RUN_GRPO
 from tunix_pipeline.pipelines.evaluate.nodes import evaluate_after_grpo
 
 from .nodes import run_grpo
@@ -15,7 +16,7 @@ def create_pipeline(**kwargs) -> Pipeline:
                     "params:tracking",
                 ],
                 outputs="grpo_result",
-                name="run_grpo",
+                name=RUN_GRPO,
             ),
             Node(
                 evaluate_after_grpo,

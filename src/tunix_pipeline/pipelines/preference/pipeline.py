@@ -1,5 +1,6 @@
 from kedro.pipeline import Node, Pipeline
 
+from tunix_pipeline.pipelines import RUN_PREFERENCE
 from tunix_pipeline.pipelines.evaluate.nodes import evaluate_after_preference
 
 from .nodes import build_pairs, run_preference
@@ -25,7 +26,7 @@ def create_pipeline(**kwargs) -> Pipeline:
                     "params:preference", "params:runtime", "params:tracking", "params:plan",
                 ],
                 outputs="preference_result",
-                name="run_preference",
+                name=RUN_PREFERENCE,
             ),
             Node(
                 evaluate_after_preference,
