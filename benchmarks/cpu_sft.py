@@ -121,12 +121,12 @@ def _summary(step_times: list[float], args, flops_per_step: float, timer=None, e
 # ---------------------------------------------------------------- workers (one process each)
 def worker_ours(args) -> dict:
     """Our sft step through `training.train`, as the sft node configures it (one device: mesh auto)."""
-    from tunix_pipeline import training
+    from tunix_pipeline import progress, runtime, training
     from tunix_pipeline.config import ModelParams
     from tunix_pipeline.models import load_run_model
 
     if args.no_cpu_options:
-        training.CPU_COMPILER_OPTIONS = {}
+        runtime.CPU_COMPILER_OPTIONS = {}
     _Recorder.events = []
     timer = common.CompileTimer()
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,7 +134,7 @@ def worker_ours(args) -> dict:
         mesh = _one_device_mesh()
         model, _ = load_run_model(args.model, ModelParams(source=args.model, dtype="float32"), mesh, remat=sft.remat)
         rows = _rows(args)
-        flops = args.batch * args.seq * training.train_flops_per_token(model, args.seq)
+        flops = args.batch * args.seq * progress.train_flops_per_token(model, args.seq)
         loaded_rss = common.peak_rss_mb()
         t0 = time.perf_counter()
         result = training.train(model, rows, rows.iloc[:0], sft, mesh, metrics_backends=[_Recorder])
@@ -153,7 +153,7 @@ def worker_ours(args) -> dict:
             "last_loss": result["last_loss"],
             "losses": loss,
             "rss_after_load_mb": loaded_rss,
-            "cpu_compiler_options": training.step_compiler_options(),
+            "cpu_compiler_options": runtime.step_compiler_options(),
         },
     )
 
@@ -178,7 +178,7 @@ def worker_tunix_default(args) -> dict:
     """Tunix's PeftTrainer out of the box: its default loss (one-hot), same model, optimizer and batches."""
     from tunix.sft import metrics_logger, peft_trainer
 
-    from tunix_pipeline import training
+    from tunix_pipeline import progress, training, upstream
     from tunix_pipeline.optim import make_optimizer
     from tunix_pipeline.config import ModelParams
     from tunix_pipeline.models import load_run_model
@@ -195,14 +195,14 @@ def worker_tunix_default(args) -> dict:
             {"input_tokens": b["input_tokens"], "input_mask": b["loss_mask"]}
             for b in (feed.batch(i) for i in range(sft.max_steps))
         ]
-        flops = args.batch * args.seq * training.train_flops_per_token(model, args.seq)
+        flops = args.batch * args.seq * progress.train_flops_per_token(model, args.seq)
         config = peft_trainer.TrainingConfig(eval_every_n_steps=sft.max_steps + 1, max_steps=sft.max_steps)
         options = metrics_logger.MetricsLoggerOptions(
             log_dir=str(Path(tmp) / "logs"), backend_kwargs={"custom_backend": [_Recorder]}
         )
         with mesh:
             if args.with_cpu_options:  # ablation: Tunix's trainer with our compile options
-                trainer = training.trainer_class()(
+                trainer = upstream.trainer_class()(
                     model, make_optimizer(sft.optim), config, metrics_logger=metrics_logger.MetricsLogger(options)
                 )
             else:
@@ -211,7 +211,7 @@ def worker_tunix_default(args) -> dict:
                 )
             trainer.with_gen_model_input_fn(tunix_model_input_fn())
             # the same step-time hook as ours, so both are measured the same way
-            trainer.with_training_hooks(training._throughput_hooks(args.batch * args.seq, flops, None, 1))
+            trainer.with_training_hooks(progress.throughput_hooks(args.batch * args.seq, flops, None, 1))
             t0 = time.perf_counter()
             trainer.train(batches)
             wall = time.perf_counter() - t0

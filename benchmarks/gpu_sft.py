@@ -123,7 +123,7 @@ def worker(args) -> dict:
     from tunix.sft import metrics_logger, peft_trainer
 
     from benchmarks.cpu_sft import _Recorder, _series, _sft_params, tunix_model_input_fn
-    from tunix_pipeline import runtime, training
+    from tunix_pipeline import progress, runtime, training
     from tunix_pipeline.optim import make_optimizer
     from tunix_pipeline.config import RuntimeParams
 
@@ -137,7 +137,7 @@ def worker(args) -> dict:
         with mesh:
             model = make_model(spec, args.dtype)
         rows = common.token_rows(args.batch * 4, args.seq, spec["vocab_size"], seed=0)
-        flops = args.batch * args.seq * training.train_flops_per_token(model, args.seq)
+        flops = args.batch * args.seq * progress.train_flops_per_token(model, args.seq)
         t0 = time.perf_counter()
         if args.worker == "ours":
             training.train(model, rows, rows.iloc[:0], sft, mesh, metrics_backends=[_Recorder])
@@ -156,7 +156,7 @@ def worker(args) -> dict:
                     model, make_optimizer(sft.optim), config, metrics_logger=metrics_logger.MetricsLogger(options)
                 )
                 trainer.with_gen_model_input_fn(tunix_model_input_fn())
-                trainer.with_training_hooks(training._throughput_hooks(args.batch * args.seq, flops, None, 1))
+                trainer.with_training_hooks(progress.throughput_hooks(args.batch * args.seq, flops, None, 1))
                 trainer.train(batches)
         wall = time.perf_counter() - t0
     steps = _series("step_time")[args.warmup :][: args.steps]  # from the second step on

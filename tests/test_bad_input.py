@@ -26,7 +26,8 @@ from kedro.framework.startup import bootstrap_project
 from mlflow.utils.validation import _validate_metric_name, _validate_param_name, _validate_tag_name
 
 from tunix_pipeline.config import IngestParams, SourceParams
-from tunix_pipeline.ingest import FORMAT_FIELDS, DataError, ingest
+from tunix_pipeline.ingest import ingest
+from tunix_pipeline.readers import FORMAT_FIELDS, DataError
 from tunix_pipeline.tracking import mlflow_name
 
 KEDRO = str(Path(sys.executable).parent / "kedro")

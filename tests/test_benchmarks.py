@@ -73,12 +73,12 @@ def test_gpu_peak_table_knows_the_usual_cards():
 def test_the_trainer_builds_its_steps_with_the_cpu_compile_options():
     from flax import nnx
 
-    from tunix_pipeline import training
+    from tunix_pipeline import runtime, upstream
 
-    options = training.step_compiler_options()
-    assert options == training.CPU_COMPILER_OPTIONS  # JAX runs on the CPU here
+    options = runtime.step_compiler_options()
+    assert options == runtime.CPU_COMPILER_OPTIONS  # JAX runs on the CPU here
     original = jax.jit
-    with training._jit_with_options(options):
+    with upstream.jit_with_options(options):
         step = nnx.jit(lambda x: x + 1)
     assert jax.jit is original
     info = getattr(step.jitted_fn, "_jit_info", None)

@@ -72,8 +72,8 @@ def test_conf_base_values_equal_the_pydantic_defaults():
     found = {setting: (conf, default) for section, model in models.items() if section in params
              for setting, conf, default in differences(model, params[section], f"{section}.")}
     drifted = {k: v for k, v in found.items() if k not in KNOWN}
-    assert not drifted, "conf/base and config.py disagree (setting: (conf/base, pydantic default)): " \
-        f"{drifted}; make the default in config.py equal conf/base's value"
+    assert not drifted, "conf/base and tunix_pipeline.config disagree (setting: (conf/base, pydantic default)): " \
+        f"{drifted}; make the default in tunix_pipeline.config equal conf/base's value"
     assert not KNOWN - set(found), f"no longer different, delete from KNOWN: {sorted(KNOWN - set(found))}"
 
 

@@ -222,7 +222,7 @@ def test_evaluator_skips_and_counts_prompts_that_do_not_fit(tiny, tokenizer):
 def test_eval_loss_covers_the_first_loss_rows_only(tiny, tokenizer):
     from tunix_pipeline.config import TokenizeParams
     from tunix_pipeline.tokenization import tokenize_split
-    from tunix_pipeline.training import evaluate_loss
+    from tunix_pipeline.evaluation import evaluate_loss
 
     model, mesh = tiny
     formatted = _formatted([str(i) for i in range(6)])

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from flax import nnx
 
-from tunix_pipeline import grpo, tracking
+from tunix_pipeline import grpo, upstream
 from tunix_pipeline.config import GrpoParams, LoraParams, RuntimeParams
 from tunix_pipeline.runtime import make_mesh
 
@@ -112,7 +112,7 @@ def test_metric_listener_scope_removes_what_it_added():
 
     def listener(*args, **kwargs): ...
 
-    with tracking.scalar_listeners_scope():
+    with upstream.scalar_listeners_scope():
         jax.monitoring.register_scalar_listener(listener)
     assert list(monitoring.get_scalar_listeners()) == before
 

@@ -4,7 +4,8 @@ import pandas as pd
 import pytest
 
 from tunix_pipeline.config import IngestParams, SourceParams
-from tunix_pipeline.ingest import DataError, ingest, split_completion
+from tunix_pipeline.ingest import ingest, split_completion
+from tunix_pipeline.readers import DataError
 
 from .conftest import ROOT
 

@@ -175,16 +175,16 @@ def _params(tmp_path, **kw):
 
 
 def test_pairs_are_left_and_right_padded_and_never_truncated(tmp_path, tokenizer):
-    from tunix_pipeline import preference
+    from tunix_pipeline import pairs
     from tunix_pipeline.tokenization import encode_batch
 
     formatted = _formatted_pairs(tokenizer, n=12, long_every=5)
     formatted.loc[1, "completion"] = "<reasoning>" + "x " * 40 + "</reasoning><answer>1</answer>"
     formatted.loc[2, "rejected"] = formatted.loc[2, "completion"]
-    rows, stats = preference.tokenize_pairs(formatted, tokenizer, _params(tmp_path))
+    rows, stats = pairs.tokenize_pairs(formatted, tokenizer, _params(tmp_path))
     assert stats["dropped"] == {"prompt_too_long": 3, "response_too_long": 1, "same_tokens": 1}
     assert len(rows) == stats["pairs_out"] == 7 and "r0" not in set(rows["id"]) and "r1" not in set(rows["id"])
-    arrays = preference.pair_arrays(rows)
+    arrays = pairs.pair_arrays(rows)
     assert arrays["prompt_ids"].shape == (7, 48) and arrays["chosen_ids"].shape == (7, 32)
     kept = formatted.set_index("id").loc[rows["id"]]
     pad = tokenizer.pad_token_id
@@ -209,13 +209,13 @@ def test_dpo_resumes_and_precomputed_reference_equals_the_reference_model(tmp_pa
 
     (A constant learning rate: the first 2-step run's schedule is then the same as the 4-step one's.)
     """
-    from tunix_pipeline import preference
+    from tunix_pipeline import pairs, preference
     from tunix_pipeline.config import RuntimeParams
     from tunix_pipeline.models import load_model
     from tunix_pipeline.runtime import make_mesh
 
     mesh = make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
-    pairs, _ = preference.tokenize_pairs(_formatted_pairs(tokenizer), tokenizer, _params(tmp_path))
+    pairs, _ = pairs.tokenize_pairs(_formatted_pairs(tokenizer), tokenizer, _params(tmp_path))
     train, held_out = pairs.iloc[:16], pairs.iloc[16:]
     model, _ = load_model(tiny_model_dir, mesh, "float32")
     straight = preference.train_preference(model, train, held_out, _params(tmp_path / "a", schedule="constant"), mesh)
@@ -240,13 +240,13 @@ def test_dpo_resumes_and_precomputed_reference_equals_the_reference_model(tmp_pa
 def test_orpo_with_lora_trains_only_the_adapters(tmp_path, tiny_model_dir, tokenizer):
     from flax import nnx
 
-    from tunix_pipeline import preference
+    from tunix_pipeline import pairs, preference
     from tunix_pipeline.config import LoraParams, RuntimeParams
     from tunix_pipeline.models import apply_lora, load_model
     from tunix_pipeline.runtime import make_mesh
 
     mesh = make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
-    pairs, _ = preference.tokenize_pairs(_formatted_pairs(tokenizer), tokenizer, _params(tmp_path))
+    pairs, _ = pairs.tokenize_pairs(_formatted_pairs(tokenizer), tokenizer, _params(tmp_path))
     model, _ = load_model(tiny_model_dir, mesh, "float32")
     model = apply_lora(model, LoraParams(rank=4, alpha=8.0), mesh)
     base, adapters = _flat(model, nnx.Param), _flat(model, nnx.LoRAParam)
@@ -279,7 +279,7 @@ def longest_answer(prompts, completions, **_):
 
 
 def test_pairs_from_rewards_keep_best_and_worst_beyond_the_margin(tmp_path, tiny_model_dir, tokenizer):
-    from tunix_pipeline import preference
+    from tunix_pipeline import pairs
     from tunix_pipeline.config import RewardParams, RuntimeParams
     from tunix_pipeline.formatting import end_of_turn
     from tunix_pipeline.models import load_model
@@ -291,7 +291,7 @@ def test_pairs_from_rewards_keep_best_and_worst_beyond_the_margin(tmp_path, tiny
     formatted = _formatted_pairs(tokenizer, n=6).assign(source="s", answer="2")
     rewards = RewardSet([RewardParams(fn="tests.test_preference:longest_answer")])
     params = _params(tmp_path, from_rewards={"num_samples": 3, "max_new_tokens": 12, "batch_size": 8, "margin": 4.0})
-    pairs, counts = preference.pairs_from_rewards(model, tokenizer, formatted, params, rewards, mesh, max_prompts=5)
+    pairs, counts = pairs.pairs_from_rewards(model, tokenizer, formatted, params, rewards, mesh, max_prompts=5)
     assert counts["prompts"] == 5 and counts["samples"] == 15 and counts["pairs"] + counts["below_margin"] == 5
     assert len(pairs) == counts["pairs"] > 0
     assert (pairs["chosen_reward"] - pairs["rejected_reward"] >= 4.0).all()

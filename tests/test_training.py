@@ -20,7 +20,8 @@ from tunix_pipeline.models import compute_logits, load_model
 from tunix_pipeline.optim import make_optimizer
 from tunix_pipeline.runtime import MeshError, global_batch_size, make_mesh, process_rows
 from tunix_pipeline.tokenization import token_arrays, tokenize_split
-from tunix_pipeline.training import BatchFeed, evaluate_loss, train
+from tunix_pipeline.evaluation import evaluate_loss
+from tunix_pipeline.training import BatchFeed, train
 
 from .conftest import ROOT
 from .parity import EPS, logits_atol

@@ -7,7 +7,7 @@ from tunix_pipeline.config import SftParams, TokenizeParams, TrackingParams
 from tunix_pipeline.models import load_model
 from tunix_pipeline.runtime import make_mesh
 from tunix_pipeline.tokenization import tokenize_split
-from tunix_pipeline.tracking import MlflowBackend, metrics_backends
+from tunix_pipeline.step_metrics import MlflowBackend, metrics_backends
 from tunix_pipeline.training import train
 
 from .test_training import MESH, formatted  # noqa: F401  (the fixture)

@@ -164,22 +164,9 @@ def save_history(ckpt_dir: epath.Path, history: list[dict], name: str = HISTORY_
 
 def new_losses(trainer, start_step: int) -> list[dict]:
     """This run's losses so far, with the step Tunix has not written yet (it writes each one a step late)."""
+    from tunix_pipeline.upstream import pending_loss
+
     losses = list(metric_history(trainer.metrics_logger, trainer.metrics_prefix, "loss"))
-    pending = getattr(trainer, "_prev_buffered_train_metrics", None)
-    if pending is not None:
-        losses.append(float(pending.loss))
+    if (pending := pending_loss(trainer)) is not None:
+        losses.append(pending)
     return [{"step": start_step + i + 1, "loss": float(v)} for i, v in enumerate(losses)]
-
-
-def record_history_with_checkpoints(trainer, ckpt_dir: epath.Path, history: list[dict], start_step: int) -> None:
-    """Writes the loss history whenever a checkpoint is saved, so a killed run's curve survives with it."""
-    manager = trainer.checkpoint_manager
-    save = manager.save
-
-    def save_and_record(step, *args, **kwargs):
-        saved = save(step, *args, **kwargs)
-        if saved:
-            save_history(ckpt_dir, history + new_losses(trainer, start_step))
-        return saved
-
-    manager.save = save_and_record

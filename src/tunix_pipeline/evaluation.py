@@ -23,10 +23,14 @@ from collections import Counter
 
 import numpy as np
 import pandas as pd
+from flax import nnx
 
-from tunix_pipeline.config import EvaluateParams
-from tunix_pipeline.progress import Progress
 from tunix_pipeline.answers import GEMMA_END_OF_TURN, answers_match, clean, extract_answer, normal, well_formed
+from tunix_pipeline.config import EvaluateParams
+from tunix_pipeline.loss import model_inputs, token_nll
+from tunix_pipeline.progress import Progress
+from tunix_pipeline.runtime import process_rows, shard_rows
+from tunix_pipeline.training import eval_batches
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +38,25 @@ SAMPLE_COLUMNS = [
     "model", "id", "sample", "prompt", "reference", "generated", "extracted",
     "correct", "exact", "well_formed", "completion_tokens", "truncated",
 ]
+
+
+# ---------------------------------------------------------------- eval loss
+@nnx.jit
+def _batch_nll(model, inputs):
+    return token_nll(model, **inputs)
+
+
+def evaluate_loss(model, rows: pd.DataFrame, batch_size: int, mesh) -> dict:
+    """Token-weighted eval loss and perplexity over every row."""
+    total, count = 0.0, 0.0
+    with mesh:
+        for batch in eval_batches(rows, batch_size, process_rows(mesh, batch_size)):
+            inputs = model_inputs(shard_rows(batch, mesh))
+            s, c = _batch_nll(model, inputs)
+            total, count = total + float(s), count + float(c)
+    loss = total / max(count, 1.0)
+    return {"loss": loss, "perplexity": float(np.exp(loss)), "tokens": int(count)}
+
 
 
 # ---------------------------------------------------------------- answers
@@ -291,7 +314,6 @@ class Evaluator:
         self._generator: Generator | None = None
 
     def measure(self, label: str) -> tuple[dict, pd.DataFrame]:
-        from tunix_pipeline.training import evaluate_loss
 
         metrics: dict = {"eval_loss": None, "eval_perplexity": None, "eval_tokens": 0}
         if len(self.eval_tokens):

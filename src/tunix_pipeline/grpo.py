@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import pandas as pd
 
-from tunix_pipeline import checkpoints, progress, tracking
+from tunix_pipeline import checkpoints, progress, upstream
 from tunix_pipeline.config import GrpoParams
 from tunix_pipeline.errors import UserError
 from tunix_pipeline.evaluation import fitting_prompts  # grpo.fitting_prompts: GRPO's and preference's prompts
@@ -164,7 +164,7 @@ def train_grpo(
     reference = frozen_copy(model) if algo_config.beta else None
 
     # `with mesh:` and not `jax.set_mesh`: under the latter Tunix's optimizer sharding step fails
-    with tracking.scalar_listeners_scope(), mesh:
+    with upstream.scalar_listeners_scope(), mesh:
         cluster = rl_cluster_lib.RLCluster(
             actor=model, reference=reference, tokenizer=tokenizer, cluster_config=cluster_config
         )

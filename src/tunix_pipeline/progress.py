@@ -1,7 +1,8 @@
-"""Progress of long work (SFT, preference, GRPO, generation): step, loss, tokens/s and time left.
+"""Progress of long work (SFT, preference, GRPO, generation): step, loss, tokens/s and time left; and the
+per-step throughput metrics (step time, tokens/s, MFU, device memory) SFT and preference log.
 
 In a terminal or a notebook a tqdm bar shows it: Tunix's own trainer bar (to which
-`training.trainer_class` adds tokens/s), or ours for generation. Where nothing is
+`upstream.trainer_class` adds tokens/s), or ours for generation. Where nothing is
 interactive (a log file, a batch job, a notebook run as a script) a bar draws
 nothing, so a line is logged every tenth of the run (at most one each `min_seconds`)
 and at least once a minute, e.g.
@@ -101,3 +102,51 @@ def training_hooks(label: str):
         def on_eval_step_end(self, trainer, eval_loss): ...
 
     return Report()
+
+
+def train_flops_per_token(model, seq_len: int, remat: str = "none") -> float:
+    """The plan's count (`Architecture.train_flops_per_token`) for this loaded model: LoRA, remat, attention."""
+    from tunix.sft import utils as sft_utils
+
+    from tunix_pipeline.planning.architecture import from_tunix_config
+
+    mode = "lora" if sft_utils.is_lora_enabled(model) else "full"
+    return from_tunix_config(model.config).train_flops_per_token(seq_len, mode, remat)
+
+
+def throughput_hooks(tokens_per_step: int, flops_per_step: float, peak_flops: float | None, devices: int):
+    import jax
+    from tunix.sft import hooks
+
+    class Throughput(hooks.TrainingHooks):
+        """Step time, tokens/s (padded: the work the devices do), MFU and device memory, per step."""
+
+        def __init__(self):
+            self.last, self.progress = None, None
+
+        def on_train_start(self, trainer):
+            self.last = None
+            self.progress = Progress(trainer.config.pbar_description, trainer.config.max_steps, trainer.train_steps)
+
+        def on_train_step_end(self, trainer, train_step, train_loss):
+            now = time.perf_counter()
+            if self.last is not None:
+                seconds = now - self.last
+                metrics = {"step_time": seconds, "tokens_per_sec": tokens_per_step / seconds}
+                if peak_flops:
+                    metrics["mfu"] = flops_per_step / seconds / (peak_flops * devices)
+                stats = jax.local_devices()[0].memory_stats() or {}
+                if "bytes_in_use" in stats:
+                    metrics["device_memory_gb"] = stats["bytes_in_use"] / 1e9
+                for name, value in metrics.items():
+                    trainer.metrics_logger.log(trainer.metrics_prefix, name, value, "train", train_step)
+            loss = None if train_loss is None else float(train_loss)  # written a step late: already on the host
+            self.progress.update(train_step, loss, metrics["tokens_per_sec"] if self.last is not None else None)
+            self.last = now
+
+        def on_train_end(self, trainer): ...
+        def on_train_step_start(self, trainer): ...
+        def on_eval_step_start(self, trainer): ...
+        def on_eval_step_end(self, trainer, eval_loss): ...
+
+    return Throughput()

@@ -17,7 +17,6 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
@@ -27,13 +26,12 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from tunix_pipeline.config import RegistryParams, SourceParams, TrackingParams, WandbParams
+from tunix_pipeline.config import RegistryParams, SourceParams, TrackingParams
 from tunix_pipeline.paths import storage_path
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on one parameter value
 MAX_TAG_LENGTH = 8000  # and on one tag value
 MAX_NAME_LENGTH = 250  # MLflow's limit on a metric, parameter or tag name
-COMPILE_EVENT = "jax/core/compile/backend_compile_duration"
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_\-.:/]")  # MLflow also allows spaces; "_" keeps names one word
 
 
@@ -353,7 +351,7 @@ def end_run(failed: bool) -> None:
         mlflow.end_run(status="FAILED" if failed else "FINISHED")
 
 
-def _numeric(value) -> float | None:
+def numeric(value) -> float | None:
     if isinstance(value, bool) or value is None:
         return None
     if isinstance(value, (int, float, np.integer, np.floating)) and math.isfinite(float(value)):
@@ -380,7 +378,7 @@ def log_output(name: str, value) -> None:
             if CONFIG_KEYS.intersection(str(key).split(".")):
                 if isinstance(item, (str, int, float, bool, np.number)):
                     params[mlflow_name(f"{name}.{key}")] = str(item)
-            elif (number := _numeric(item)) is not None:
+            elif (number := numeric(item)) is not None:
                 metrics[mlflow_name(f"{name}.{key}")] = number
         mlflow.log_metrics(metrics)
         if params:
@@ -395,117 +393,3 @@ def log_output(name: str, value) -> None:
 
 def _jsonable(value):
     return json.loads(json.dumps(value, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
-
-
-@contextlib.contextmanager
-def scalar_listeners_scope():
-    """Scalar listeners added inside are removed on exit; stale MLflow ones from earlier stages before.
-
-    Tunix's `MetricsLogger.close()` calls `jax.monitoring.clear_event_listeners()`, which in
-    jax 0.10 forgets scalar listeners (it assigns a local `_scalar_listeners`), so a closed
-    trainer's backend keeps receiving every later metric: SFT's MLflow backend would log each
-    GRPO metric a second time.
-    """
-    import jax
-    from jax._src import monitoring
-
-    def listeners():
-        return list(monitoring.get_scalar_listeners())
-
-    for listener in listeners():
-        if isinstance(getattr(listener, "__self__", None), MlflowBackend):
-            jax.monitoring.unregister_scalar_listener(listener)
-    before = listeners()
-    try:
-        yield
-    finally:
-        for listener in listeners():
-            if listener not in before:
-                jax.monitoring.unregister_scalar_listener(listener)
-
-
-class MlflowBackend:
-    """A Tunix/metrax `LoggingBackend`: per-step scalars to the active MLflow run.
-
-    Tunix names events `<prefix>/<mode>/<metric>`, e.g. `/train/loss`; they are
-    logged as `train/loss` at the event's step. In a continued run, steps that
-    are already logged are skipped: a resumed training replays the steps after
-    its checkpoint with the same values, and MLflow keeps one value per step.
-
-    A step's metrics are written together (one database write, not one per
-    metric) when the next step's first metric arrives, or at `close`.
-    """
-
-    def __init__(self):
-        run = mlflow.active_run()
-        if run is None:
-            raise RuntimeError("MlflowBackend needs an active MLflow run")
-        self._client = mlflow.MlflowClient()
-        self._run_id = run.info.run_id
-        self._logged_until: dict[str, int] = {}
-        self._pending: list[mlflow.entities.Metric] = []
-        self._pending_step: int | None = None
-
-    def last_logged_step(self, name: str) -> int:
-        if name not in self._logged_until:
-            history = self._client.get_metric_history(self._run_id, name)
-            self._logged_until[name] = max((m.step for m in history), default=0)
-        return self._logged_until[name]
-
-    def log_scalar(self, event: str, value, **kwargs) -> None:
-        name = event.strip("/")
-        # JAX and Orbax report their own internals on the same channel; keep compile time only
-        if name.startswith("jax/") and name != COMPILE_EVENT:
-            return
-        name = mlflow_name(name)  # reward names come from the configuration
-        number = _numeric(np.asarray(value).item() if hasattr(value, "shape") else value)
-        step = int(kwargs.get("step") or 0)
-        if number is None or (step and step <= self.last_logged_step(name)):
-            return
-        if step != self._pending_step:
-            self.flush()
-        self._pending.append(mlflow.entities.Metric(name, number, int(time.time() * 1000), step))
-        self._pending_step = step
-        if step:
-            self._logged_until[name] = step
-
-    def fill_gaps(self, name: str, history: list[dict]) -> None:
-        """Logs the steps of `history` ({step, loss}) that the run lacks (e.g. the one Tunix had not written yet)."""
-        name = mlflow_name(name)
-        logged = {m.step for m in self._client.get_metric_history(self._run_id, name)}
-        for entry in history:
-            if entry["step"] not in logged:
-                self._client.log_metric(self._run_id, name, entry["loss"], step=entry["step"])
-
-    def flush(self) -> None:
-        if self._pending:
-            self._client.log_batch(self._run_id, metrics=self._pending)
-            self._pending = []
-
-    def close(self) -> None:
-        self.flush()
-
-
-def metrics_backends(tracking: TrackingParams, output_root: str, stage: str) -> list | None:
-    """Tunix metrics backends (factories) for process 0: the active MLflow run, and W&B when enabled."""
-    import jax
-
-    if jax.process_index() != 0:
-        return None
-    run = mlflow.active_run()
-    backends = [MlflowBackend] if run is not None else []
-    if tracking.wandb.enabled:
-        run_id = run.info.run_id if run is not None else None
-        backends.append(lambda: _wandb_backend(tracking.wandb, Path(output_root) / "wandb", stage, run_id))
-    return backends or None
-
-
-def _wandb_backend(params: WandbParams, folder: Path, stage: str, mlflow_run_id: str | None):
-    """Tunix's W&B backend; one W&B run per stage of an MLflow run, continued when that run resumes."""
-    from tunix.sft.metrics_logger import WandbBackend
-
-    folder.mkdir(parents=True, exist_ok=True)
-    kwargs = {"entity": params.entity, "mode": params.mode, "dir": str(folder), "group": mlflow_run_id}
-    if mlflow_run_id:
-        kwargs.update(id=f"{mlflow_run_id}-{stage}", resume="allow")
-    return WandbBackend(project=params.project, name=f"{stage}-{mlflow_run_id or 'untracked'}", **kwargs)

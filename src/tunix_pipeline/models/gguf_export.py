@@ -15,7 +15,6 @@ sliding-window pattern, a Gemma 2 without attention softcapping, ...) is refused
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,13 +24,14 @@ import numpy as np
 
 from tunix_pipeline.models.errors import ModelError
 from tunix_pipeline.models.families import family_for
-from tunix_pipeline.models.gguf import GEMMAS, MODEL_TYPES, PRE_TOKENIZERS
+from tunix_pipeline.models.gguf import GEMMAS, MODEL_TYPES
+from tunix_pipeline.models.gguf_vocab import add_vocab, gguf_vocab
+from tunix_pipeline.models.ollama import modelfile
 from tunix_pipeline.paths import atomic_folder
 
 ARCHITECTURES = {model_type: arch for arch, model_type in MODEL_TYPES.items()}  # model_type -> llama.cpp arch
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 MODELFILE = "Modelfile"
-PIECE_COST = 2**23  # see _sentencepiece_scores; with fewer than 2**23 pieces every score is a float32 integer
 
 # formatting.gemma_turns as a chat template: what a model tuned without a template of its own was trained on
 GEMMA_TURNS_TEMPLATE = (
@@ -95,7 +95,7 @@ def write_gguf(
             writer = gguf.GGUFWriter(path, arch, use_temp_file=True)  # tensors go to disk as they come, not to memory
             writer.add_name(name)
             _add_hyperparameters(writer, config, arch, rows)
-            _add_vocab(writer, vocab, tokenizer, template)
+            add_vocab(writer, vocab, tokenizer, template)
             _add_tensors(writer, gguf_tensors(state, config, arch), kind)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
@@ -215,156 +215,7 @@ def _add_tensors(w, tensors: Iterator[tuple[str, np.ndarray]], kind: str) -> Non
         w.add_tensor(name, data, raw_dtype=t if t not in (Q.F32, Q.F16) else None)
 
 
-# ---------------------------------------------------------------------------- tokenizer
-
-
-@dataclasses.dataclass
-class Vocab:
-    model: str  # tokenizer.ggml.model: "llama" (SentencePiece-style BPE) or "gpt2" (byte-level BPE)
-    tokens: list[str]
-    types: list[int]
-    scores: list[float] | None = None
-    merges: list[str] | None = None
-    pre: str | None = None  # tokenizer.ggml.pre: the split regex, by llama.cpp's name
-    add_space_prefix: bool = False
-    add_bos: bool = False
-    add_eos: bool = False
-
-
-def gguf_vocab(tokenizer, rows: int) -> Vocab:
-    """The fast tokenizer's vocabulary as llama.cpp reads it, padded with unused tokens to the
-    embedding's `rows` (as llama.cpp's converter pads)."""
-    import gguf
-
-    spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    model = spec["model"]
-    if model["type"] != "BPE":
-        raise ModelError(
-            f"GGUF export: the tokenizer is a {model['type']} model; GGUF export handles BPE vocabularies "
-            "(SentencePiece-style as Gemma's and Llama 2's, byte-level as Llama 3's and Qwen's): set export.formats: [hf]"
-        )
-    byte_level = _finds(spec.get("pre_tokenizer"), "ByteLevel") or _finds(spec.get("decoder"), "ByteLevel")
-    added = {t["id"]: t for t in spec.get("added_tokens", [])}
-    pieces = {i: t for t, i in model["vocab"].items()} | {i: t["content"] for i, t in added.items()}
-    if max(pieces) >= rows:
-        raise ModelError(f"GGUF export: the tokenizer has ids up to {max(pieces)} but the embedding only {rows} rows")
-    T = gguf.TokenType
-    tokens, types = [], []
-    for i in range(rows):
-        if i not in pieces:
-            tokens.append(f"[PAD{i}]")
-            types.append(T.UNUSED)
-        elif i in added:
-            special = added[i]["special"]
-            # llama.cpp matches user-defined tokens in the raw text, so SentencePiece's spaces are spaces there
-            tokens.append(pieces[i] if special or byte_level else pieces[i].replace("▁", " "))
-            types.append(T.CONTROL if special else T.USER_DEFINED)
-        elif not byte_level and len(pieces[i]) == 6 and pieces[i].startswith("<0x") and pieces[i].endswith(">"):
-            tokens.append(pieces[i])
-            types.append(T.BYTE)
-        else:
-            tokens.append(pieces[i])
-            types.append(T.UNKNOWN if pieces[i] == model.get("unk_token") else T.NORMAL)
-    merges = [m.split(" ", 1) if isinstance(m, str) else m for m in model.get("merges", [])]
-    with_special = tokenizer("a", add_special_tokens=True).input_ids
-    without = tokenizer("a", add_special_tokens=False).input_ids
-    flags = dict(
-        add_bos=tokenizer.bos_token_id is not None and with_special[:1] == [tokenizer.bos_token_id] != without[:1],
-        add_eos=tokenizer.eos_token_id is not None and with_special[-1:] == [tokenizer.eos_token_id] != without[-1:],
-    )
-    if byte_level:
-        encoded = [" ".join(p.replace(" ", "Ġ") for p in pair) for pair in merges]  # "Ġ": llama.cpp's space in merges
-        return Vocab("gpt2", tokens, [int(t) for t in types], merges=encoded, pre=_pre_tokenizer(spec), **flags)
-    if not model.get("byte_fallback"):
-        raise ModelError(
-            "GGUF export: the tokenizer is neither byte-level BPE nor SentencePiece-style BPE with byte fallback, "
-            "the two kinds llama.cpp reads: set export.formats: [hf]"
-        )
-    return Vocab(
-        "llama", tokens, [int(t) for t in types], scores=_sentencepiece_scores(tokens, types, merges),
-        add_space_prefix=_prefixes_space(spec), **flags,
-    )
-
-
-def _sentencepiece_scores(tokens: list[str], types: list[int], merges: list[list[str]]) -> list[float]:
-    """SentencePiece-style scores. llama.cpp joins the adjacent pair whose joined piece scores highest, so merged
-    pieces score in the order of their first merge, and single characters below every merge (as in SentencePiece's
-    own BPE models). Every piece also costs PIECE_COST: readers that take the scores as unigram log-probabilities
-    (transformers) then prefer fewer pieces, as BPE's merges give, over early-merged short ones; llama.cpp
-    compares scores only, so the constant changes nothing there. Bytes, control and unused tokens score 0."""
-    import gguf
-
-    first: dict[str, int] = {}
-    for i, (left, right) in enumerate(merges):
-        first.setdefault(left + right, i)
-    order = {piece: n for n, piece in enumerate(sorted(first, key=first.__getitem__))}
-    scores, chars = [], 0
-    for token, kind in zip(tokens, types):
-        if kind != gguf.TokenType.NORMAL:
-            scores.append(0.0)
-        elif token in order:
-            scores.append(-float(PIECE_COST + order[token]))
-        else:
-            chars += 1
-            scores.append(-float(PIECE_COST + len(order) + chars))
-    return scores
-
-
-def _finds(node, kind: str) -> bool:
-    """Whether a tokenizer.json component (or one in its Sequence) is of `kind`."""
-    if not isinstance(node, dict):
-        return False
-    return node.get("type") == kind or any(_finds(n, kind) for key in ("pretokenizers", "normalizers", "decoders")
-                                           for n in node.get(key) or [])
-
-
-def _pre_tokenizer(spec: dict) -> str:
-    """llama.cpp's name for the byte-level tokenizer's split regex."""
-    pre = spec.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", [pre])
-    if len(steps) == 1 and steps[0].get("type") == "ByteLevel" and steps[0].get("use_regex", True):
-        return "gpt-2"  # GPT-2's own regex, inside ByteLevel
-    patterns = [s["pattern"].get("Regex") for s in steps if s.get("type") == "Split"]
-    names = {regex: name for name, regex in PRE_TOKENIZERS.items()}
-    if len(patterns) == 1 and patterns[0] in names:
-        return names[patterns[0]]
-    raise ModelError(
-        "GGUF export: the tokenizer splits text with a regex llama.cpp has no name for here "
-        f"(supported: GPT-2's, and {', '.join(PRE_TOKENIZERS)}): set export.formats: [hf]"
-    )
-
-
-def _prefixes_space(spec: dict) -> bool:
-    """Whether the SentencePiece-style tokenizer puts "▁" before the text (Llama 2 does, Gemma does not)."""
-    normalizer, pre = spec.get("normalizer") or {}, spec.get("pre_tokenizer") or {}
-    if _finds(normalizer, "Prepend"):
-        return True
-    steps = pre.get("pretokenizers", [pre])
-    return any(s.get("type") == "Metaspace" and s.get("prepend_scheme", "always") != "never" for s in steps)
-
-
-def _add_vocab(w, vocab: Vocab, tokenizer, template: str | None) -> None:
-    w.add_tokenizer_model(vocab.model)
-    if vocab.pre:
-        w.add_tokenizer_pre(vocab.pre)
-    w.add_token_list(vocab.tokens)
-    w.add_token_types(vocab.types)
-    if vocab.scores is not None:
-        w.add_token_scores(vocab.scores)
-        w.add_add_space_prefix(vocab.add_space_prefix)
-    if vocab.merges is not None:
-        w.add_token_merges(vocab.merges)
-    for kind in ("bos", "eos", "unk", "pad"):
-        token_id = getattr(tokenizer, f"{kind}_token_id")
-        if token_id is not None:
-            getattr(w, f"add_{kind}_token_id")(token_id)
-    w.add_add_bos_token(vocab.add_bos)
-    w.add_add_eos_token(vocab.add_eos)
-    if template:
-        w.add_chat_template(template)
-
-
-# ---------------------------------------------------------------------------- checks and Ollama
+# ---------------------------------------------------------------------------- checks
 
 
 def check_llama_cpp_reads_the_same_model(state: dict[str, np.ndarray], hf_config: dict, config, arch: str) -> None:
@@ -404,96 +255,3 @@ def _same(a, b) -> bool:
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return a == b
-
-
-def modelfile(gguf_name: str, tokenizer, template: str | None, add_bos: bool) -> str:
-    """An Ollama Modelfile: FROM the file, the chat template as Ollama's Go template, and stop strings."""
-    lines = [f"FROM ./{gguf_name}"]
-    if template:
-        turns = chat_turns(tokenizer, template, add_bos)
-        lines.append(f'TEMPLATE """{go_template(turns)}"""')
-        stops = [turns["assistant"][1].strip(), tokenizer.eos_token]
-        lines += [f"PARAMETER stop {json.dumps(s, ensure_ascii=False)}" for s in dict.fromkeys(stops) if s]
-    return "\n".join(lines) + "\n"
-
-
-def chat_turns(tokenizer, template: str, add_bos: bool) -> dict:
-    """The template's text around each role's content ({role: (before, after)}), the text that opens a
-    conversation and the generation prompt, found by rendering conversations with marker contents.
-    "system" is None when the template folds the system prompt into the first user turn (Gemma's)."""
-
-    def render(*roles, generation=False):
-        messages = [{"role": role, "content": MARKERS[role + str(n)]} for role, n in roles]
-        return tokenizer.apply_chat_template(
-            messages, chat_template=template, tokenize=False, add_generation_prompt=generation
-        )
-
-    bos = tokenizer.bos_token if add_bos and tokenizer.bos_token else None
-    try:
-        three_turns = render(("user", 1), ("assistant", 1), ("user", 2))
-        head, after_u1, after_a1, after_u2 = _split(three_turns, ["user1", "assistant1", "user2"])
-        assistant_after = _split(render(("user", 1), ("assistant", 1)), ["user1", "assistant1"])[-1]
-        prompt = render(("user", 1))
-        generation = render(("user", 1), generation=True)[len(prompt):]
-    except Exception as err:  # e.g. a template that raises on a plain user/assistant conversation
-        raise ModelError(f"GGUF export: the chat template cannot be turned into an Ollama TEMPLATE: {err}") from err
-    user_before = after_a1[len(assistant_after):]
-    if not (after_a1.startswith(assistant_after) and after_u1.startswith(after_u2) and head.endswith(user_before)):
-        raise ModelError("GGUF export: the chat template renders the turns of one role differently; "
-                         "Ollama's TEMPLATE cannot follow it: set export.formats: [hf]")
-
-    def without_bos(text: str) -> str:  # llama.cpp adds BOS itself (tokenizer.ggml.add_bos_token)
-        return text[len(bos):] if bos and text.startswith(bos) else text
-
-    turns = {
-        "opening": without_bos(head[: len(head) - len(user_before)]),
-        "system": None,
-        "user": (user_before, after_u2),
-        "assistant": (after_u1[len(after_u2):], assistant_after),
-        "generation": generation,
-    }
-    try:
-        system_head, between, _ = _split(render(("system", 1), ("user", 1)), ["system1", "user1"])
-    except Exception:  # a template without a system role
-        return turns
-    if between.endswith(user_before):
-        turns["system"] = (without_bos(system_head), between[: len(between) - len(user_before)])
-    return turns
-
-
-MARKERS = {f"{role}{n}": f"\x01{role}{n}\x01" for role in ("system", "user", "assistant") for n in (1, 2)}
-
-
-def _split(text: str, markers: list[str]) -> list[str]:
-    """The text around the markers' contents (in order): len(markers) + 1 pieces."""
-    pieces = []
-    for marker in markers:
-        before, found, text = text.partition(MARKERS[marker])
-        if not found:
-            raise ValueError(f"the rendered template lost the content of {marker}")
-        pieces.append(before)
-    return pieces + [text]
-
-
-def go_template(turns: dict) -> str:
-    """Ollama's TEMPLATE over .Messages; every literal a quoted Go string, which whitespace trimming never touches."""
-
-    def q(s: str) -> str:
-        return "{{ " + json.dumps(s, ensure_ascii=False) + " }}" if s else ""
-
-    (ub, ua), (ab, aa) = turns["user"], turns["assistant"]
-    sb, sa = turns["system"] or turns["user"]
-    opening = q(turns["opening"])
-    if opening and turns["system"]:  # a system message replaces the opening text (e.g. a default system prompt)
-        opening = '{{ if or (not .Messages) (ne (index .Messages 0).Role "system") }}' + opening + "{{ end }}"
-    return "\n".join([
-        opening,
-        "{{- range $i, $_ := .Messages }}",
-        "{{- $last := eq (len (slice $.Messages $i)) 1 }}",
-        '{{- if eq .Role "system" }}' + q(sb) + "{{ .Content }}" + q(sa),
-        '{{- else if eq .Role "user" }}' + q(ub) + "{{ .Content }}" + q(ua)
-        + "{{ if $last }}" + q(turns["generation"]) + "{{ end }}",
-        '{{- else if eq .Role "assistant" }}' + q(ab) + "{{ .Content }}{{ if not $last }}" + q(aa) + "{{ end }}",
-        "{{- end }}",
-        "{{- end }}",
-    ]).lstrip("\n")

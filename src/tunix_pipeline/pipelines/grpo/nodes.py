@@ -6,7 +6,7 @@ from tunix_pipeline.grpo import train_grpo
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
 from tunix_pipeline.rewards import RewardSet
 from tunix_pipeline.runtime import make_mesh
-from tunix_pipeline.tracking import metrics_backends
+from tunix_pipeline.step_metrics import metrics_backends
 
 
 def run_grpo(

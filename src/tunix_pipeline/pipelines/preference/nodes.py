@@ -4,6 +4,7 @@ import jax
 import mlflow
 import pandas as pd
 
+from tunix_pipeline import pairs
 from tunix_pipeline import preference as pref
 from tunix_pipeline.checkpoints import restore_required
 from tunix_pipeline.config import (
@@ -15,7 +16,7 @@ from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_coun
 from tunix_pipeline.planning import peak_flops_per_device
 from tunix_pipeline.rewards import RewardSet
 from tunix_pipeline.runtime import is_main_process, make_mesh
-from tunix_pipeline.tracking import metrics_backends
+from tunix_pipeline.step_metrics import metrics_backends
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ def build_pairs(
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """(train pairs, held-out pairs, report): from `preference.data` (ingested and formatted as SFT's data is),
     or sampled from the SFT model and scored with the rewards (`from_rewards`; eval pairs from the eval prompts)."""
-    empty = pd.DataFrame(columns=pref.REWARD_PAIR_COLUMNS)
+    empty = pd.DataFrame(columns=pairs.REWARD_PAIR_COLUMNS)
     if not params.enabled:
         return empty, empty, {"enabled": False}
     tokenizer = load_tokenizer(base_model["path"])
@@ -52,9 +53,9 @@ def build_pairs(
     mesh = make_mesh(runtime)
     network, _ = load_run_model(base_model["path"], model, mesh, quantize=False)
     step = restore_required(network, sft_result["checkpoint_dir"], "sft", "preference")
-    train, train_counts = pref.pairs_from_rewards(network, tokenizer, train_formatted, params, rewards, mesh,
+    train, train_counts = pairs.pairs_from_rewards(network, tokenizer, train_formatted, params, rewards, mesh,
                                                   spec.max_prompts)
-    held_out, eval_counts = pref.pairs_from_rewards(network, tokenizer, eval_formatted, params, rewards, mesh,
+    held_out, eval_counts = pairs.pairs_from_rewards(network, tokenizer, eval_formatted, params, rewards, mesh,
                                                     spec.eval_prompts)
     report = {"enabled": True, "pairs": "from_rewards", "sft_checkpoint_dir": sft_result["checkpoint_dir"],
               "sft_step": step, "rewards": dict(rewards.weights), "margin": spec.margin,
@@ -82,8 +83,8 @@ def run_preference(
     if not params.enabled:
         return _passed_through(sft_result)
     tokenizer = load_tokenizer(base_model["path"])
-    train_tokens, train_stats = pref.tokenize_pairs(train_pairs, tokenizer, params)
-    eval_tokens, eval_stats = pref.tokenize_pairs(eval_pairs, tokenizer, params)
+    train_tokens, train_stats = pairs.tokenize_pairs(train_pairs, tokenizer, params)
+    eval_tokens, eval_stats = pairs.tokenize_pairs(eval_pairs, tokenizer, params)
     mesh = make_mesh(runtime)
     pref.check_enough_pairs(len(train_tokens), params, mesh, train_stats["dropped"])  # before any weights load
     network, _ = load_run_model(base_model["path"], model, mesh)

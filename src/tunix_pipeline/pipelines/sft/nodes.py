@@ -6,7 +6,8 @@ from tunix_pipeline.checkpoints import start_from
 from tunix_pipeline.config import ModelParams, PlanParams, RuntimeParams, SftParams, TrackingParams
 from tunix_pipeline.models import load_run_model, parameter_counts
 from tunix_pipeline.planning import peak_flops_per_device
-from tunix_pipeline.tracking import MlflowBackend, metrics_backends, mlflow_name, remember_run
+from tunix_pipeline.step_metrics import MlflowBackend, metrics_backends
+from tunix_pipeline.tracking import mlflow_name, remember_run
 from tunix_pipeline.runtime import global_batch_size, make_mesh
 from tunix_pipeline.training import train
 

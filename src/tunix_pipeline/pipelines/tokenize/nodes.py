@@ -1,7 +1,7 @@
 import pandas as pd
 
 from tunix_pipeline.config import TokenizeParams
-from tunix_pipeline.ingest import DataError
+from tunix_pipeline.readers import DataError
 from tunix_pipeline.models import load_tokenizer
 from tunix_pipeline.tokenization import tokenize_split
 

@@ -1,0 +1,58 @@
+"""Typed parameters: one pydantic model per `parameters_<stage>.yml` section, grouped by stage in this package.
+
+Nodes type-hint their `params:` inputs with these models, so Kedro validates
+the whole configuration before any node runs; unknown keys are errors
+(`extra="forbid"`), which catches typos such as `max_step`. A field's default
+is the value `conf/base` gives it (`tests/test_config_defaults.py`).
+"""
+
+from tunix_pipeline.config.base import Strict
+from tunix_pipeline.config.data import (
+    HubDataset, SourceParams, IngestParams, FormatParams, TokenizeParams,
+)
+from tunix_pipeline.config.model import (
+    TinyModelParams, LoraParams, ModelParams,
+)
+from tunix_pipeline.config.training import (
+    DistributedParams, RuntimeParams, OptimizerParams, SftParams,
+)
+from tunix_pipeline.config.evaluate import (
+    HarnessParams, EvaluateParams, ExportParams, WandbParams, SystemMetricsParams, RegistryParams, TrackingParams,
+)
+from tunix_pipeline.config.polish import (
+    RewardParams, GrpoParams, PairsFromRewardsParams, PreferenceParams,
+)
+from tunix_pipeline.config.plan import (
+    HardwareProfile, PlanBudget, XlaCheckParams, PlanParams,
+)
+
+__all__ = [
+    "Strict",
+    "HubDataset",
+    "SourceParams",
+    "IngestParams",
+    "FormatParams",
+    "TokenizeParams",
+    "TinyModelParams",
+    "LoraParams",
+    "ModelParams",
+    "DistributedParams",
+    "RuntimeParams",
+    "OptimizerParams",
+    "SftParams",
+    "HarnessParams",
+    "EvaluateParams",
+    "ExportParams",
+    "WandbParams",
+    "SystemMetricsParams",
+    "RegistryParams",
+    "TrackingParams",
+    "RewardParams",
+    "GrpoParams",
+    "PairsFromRewardsParams",
+    "PreferenceParams",
+    "HardwareProfile",
+    "PlanBudget",
+    "XlaCheckParams",
+    "PlanParams",
+]

@@ -1,0 +1,100 @@
+"""Settings of the `plan` preflight: hardware profiles, budgets, the XLA check."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tunix_pipeline.config.base import Strict
+
+
+class HardwareProfile(Strict):
+    """One machine to rent (or a free notebook session). Figures are per device, as JAX counts devices."""
+
+    kind: Literal["cpu", "gpu", "tpu"]
+    devices: int = Field(gt=0)
+    hosts: int = Field(1, gt=0)
+    memory_gib: float = Field(gt=0, description="memory per device")
+    peak_tflops: float = Field(gt=0, description="dense bf16 TFLOP/s per device")
+    cost_per_hour: float | None = Field(None, ge=0, description="USD/hour, whole machine, on demand")
+    preemptible_cost_per_hour: float | None = Field(None, ge=0, description="USD/hour, spot/preemptible")
+    session_hours: float | None = Field(None, gt=0, description="a session ends after this (Kaggle: 9)")
+    weekly_hours: float | None = Field(None, gt=0, description="quota per week (Kaggle TPU: 20)")
+    mfu: float | None = Field(None, gt=0, le=1, description="assumed MFU on this hardware; overrides plan.mfu")
+    mfu_source: str = ""  # where the assumed MFU comes from (a published benchmark, a seed, a measurement)
+    # a TPU's topology as libtpu names it (e.g. v5e:2x4, v4:4x4x2): the plan compiles the train step for it
+    topology: str | None = None
+    # decoding (GRPO's rollouts) reads every weight and the KV cache for each token: HBM bandwidth bounds it
+    hbm_gb_per_s: float | None = Field(None, gt=0, description="memory bandwidth per device (GB/s)")
+    hbm_source: str = ""  # the spec sheet it comes from
+    decode_utilisation: float | None = Field(
+        None, gt=0, le=1, description="assumed share of hbm_gb_per_s a decode step reaches; overrides plan's"
+    )
+    decode_source: str = ""  # where the assumed decode utilisation comes from
+
+    @model_validator(mode="after")
+    def _topology_has_the_devices(self):
+        if self.topology is None:
+            return self
+        m = re.fullmatch(r"(v2|v3|v4|v5e|v5p|v6e|tpu7x):(\d+(?:x\d+){1,2})", self.topology)
+        if self.kind != "tpu" or not m:
+            raise ValueError(
+                f"topology {self.topology!r}: a TPU profile's chip generation and chip grid as libtpu names them, "
+                "e.g. v5e:2x4 (8 chips), v4:4x4x2 (32 chips), v5p:2x2x1, v6e:2x4"
+            )
+        chips = math.prod(int(x) for x in m.group(2).split("x"))
+        per_chip = 2 if m.group(1) in ("v2", "v3", "tpu7x") else 1  # JAX's devices per chip (v4/v5p: megacore)
+        if chips * per_chip != self.devices:
+            raise ValueError(f"topology {self.topology} has {chips * per_chip} JAX devices, the profile says devices: {self.devices}")
+        return self
+    setup_minutes: float | None = Field(None, ge=0, description="overrides plan.session_setup_minutes")
+    note: str = ""
+
+
+class PlanBudget(Strict):
+    max_cost: float | None = Field(None, ge=0, description="USD for the whole run")
+    max_hours: float | None = Field(None, gt=0, description="wall-clock hours for the whole run")
+    preemptible: bool = False  # price at the preemptible rate where a profile has one
+
+
+class XlaCheckParams(Strict):
+    """Compile the train step ahead of time (abstract shapes, no weights): for the TPU topology of the
+    selected profile when libtpu is installed, else on a fake CPU mesh."""
+
+    enabled: bool = True
+    # deeper models are compiled at one and two layer periods (XLA:TPU: two and three) and extrapolated; null: every layer
+    max_layers: int | None = Field(4, gt=0)
+    timeout_seconds: int = Field(900, gt=0)
+    grpo: bool = True  # also compile GRPO's decode step and policy update (XLA:TPU only) when GRPO is planned
+
+
+class PlanParams(Strict):
+    enabled: bool = True  # the sft pipeline runs the plan first and stops a run that cannot fit
+    hardware: str = "auto"  # a profile name, or auto: the devices JAX sees
+    mfu: float = Field(0.47, gt=0, le=1, description="assumed model FLOP utilisation")
+    # decoding (pair building, GRPO rollouts) reads every weight per token of a batch: far below training's MFU
+    generation_mfu: float = Field(0.05, gt=0, le=1, description="assumed FLOP utilisation while generating")
+    # GRPO's rollouts: a decode step's time is the bytes it reads (weights, KV cache) over this share of HBM bandwidth
+    decode_utilisation: float = Field(0.5, gt=0, le=1, description="assumed share of HBM bandwidth while decoding")
+    checkpoint_seconds: float | None = Field(None, ge=0, description="null: checkpoint bytes / checkpoint_gb_per_s")
+    checkpoint_gb_per_s: float = Field(0.5, gt=0)
+    session_setup_minutes: float = Field(30.0, ge=0, description="per session: install, load, compile")
+    usable_memory_fraction: float = Field(0.95, gt=0, le=1)
+    warn_memory_fraction: float = Field(0.9, gt=0, le=1)
+    large_model_params: float = Field(1.0e9, gt=0, description="seed 004: warn for models this big on small GPUs")
+    small_gpu_gib: float = Field(24.0, gt=0)
+    train_rows: int | None = Field(None, gt=0, description="to report epochs when the data is not at hand")
+    budget: PlanBudget = PlanBudget()
+    xla_check: XlaCheckParams = XlaCheckParams()
+    profiles: dict[str, HardwareProfile] = Field(min_length=1)
+    # hub id -> its config.json, for models not downloaded yet
+    architectures: dict[str, dict]  # no default: conf/base holds the table
+
+    @model_validator(mode="after")
+    def _known_hardware(self):
+        if self.hardware != "auto" and self.hardware not in self.profiles:
+            raise ValueError(f"plan.hardware {self.hardware!r} is not a profile; choose auto or one of {sorted(self.profiles)}")
+        return self

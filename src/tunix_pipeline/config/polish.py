@@ -1,0 +1,160 @@
+"""Settings of the polish after SFT: `grpo` (and its rewards) and `preference` (DPO, ORPO, SimPO; pairs from rewards)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tunix_pipeline.config.base import Strict
+from tunix_pipeline.config.data import IngestParams
+from tunix_pipeline.config.training import OptimizerParams, SftParams
+
+
+class RewardParams(Strict):
+    """One GRPO reward: a built-in name or `package.module:function`, weighted in the total."""
+
+    # built-in: format_exact, format_approx, answer, length_penalty;
+    # custom: "package.module:function" with signature (prompts, completions, **columns) -> list[float]
+    fn: str
+    weight: float = 1.0
+    name: str | None = Field(None, description="label in metrics; default: the function's name")
+    kwargs: dict = Field({}, description="extra keyword arguments for the function")
+
+
+class GrpoParams(Strict):
+    """GRPO polish from the SFT checkpoint with Tunix's RLCluster + GRPOLearner (vanilla rollout)."""
+
+    enabled: bool = True
+    loss_variant: Literal["grpo", "dr-grpo", "dapo"] = "grpo"
+    max_steps: int = Field(gt=0)
+    batch_size: int = Field(2, gt=0, description="prompts per step (x num_generations completions)")
+    num_generations: int = Field(4, ge=2, description="completions per prompt (G)")
+    num_iterations: int = Field(1, ge=1, description="policy updates per batch of rollouts (mu)")
+    beta: float = Field(0.04, ge=0, description="KL weight to the frozen SFT reference; 0: no reference model")
+    epsilon: float = Field(0.2, gt=0, description="clipping epsilon")
+    epsilon_high: float | None = Field(None, gt=0, description="dapo only: upper clip (default 0.28)")
+    max_prompt_length: int = Field(128, gt=0, description="longer prompts are skipped and counted")
+    max_completion_length: int = Field(64, gt=0)
+    temperature: float = Field(0.9, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, gt=0)
+    learning_rate: float = Field(1e-5, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    checkpoint_dir: str = "data/06_models/grpo_checkpoints"  # a local folder or a gs://bucket/path URI
+    checkpoint_every: int = Field(100, gt=0)
+    keep_checkpoints: int = Field(3, gt=0)
+    seed: int = 0
+    rewards: list[RewardParams] = Field(
+        [
+            RewardParams(fn="format_exact", weight=1.0),
+            RewardParams(fn="format_approx", weight=0.5),
+            RewardParams(fn="answer", weight=2.0, kwargs={"tolerance": 1e-6}),
+        ],
+        min_length=1,
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.warmup_steps >= self.max_steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than max_steps ({self.max_steps})")
+        if self.epsilon_high is not None and self.loss_variant != "dapo":
+            raise ValueError("epsilon_high is a dapo setting; set loss_variant: dapo or remove it")
+        if self.loss_variant == "dapo" and self.beta != 0:
+            raise ValueError("dapo has no KL term: set beta: 0")
+        names = [r.name or r.fn.rsplit(":", 1)[-1] for r in self.rewards]
+        if len(set(names)) != len(names):
+            raise ValueError(f"reward names must be unique (set `name:`), got {names}")
+        return self
+
+    @property
+    def optim(self) -> OptimizerParams:
+        """AdamW; with warmup, cosine decay to 10% of the peak over max_steps, else a constant rate."""
+        return OptimizerParams(
+            learning_rate=self.learning_rate, max_steps=self.max_steps, warmup_steps=self.warmup_steps,
+            schedule="cosine" if self.warmup_steps else "constant", weight_decay=self.weight_decay,
+            max_grad_norm=self.max_grad_norm,
+        )
+
+
+class PairsFromRewardsParams(Strict):
+    """`pairs: from_rewards`: k samples per training prompt from the SFT model, scored with GRPO's rewards."""
+
+    max_prompts: int = Field(64, gt=0, description="training prompts to sample for (generation-bound: cap it)")
+    eval_prompts: int = Field(16, ge=0, description="eval-split prompts to build held-out pairs from")
+    num_samples: int = Field(4, ge=2, description="completions per prompt (k)")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, gt=0)
+    max_new_tokens: int = Field(64, gt=0)
+    batch_size: int = Field(8, gt=0, description="sequences per generation call")
+    margin: float = Field(0.5, ge=0, description="keep best/worst only where their total rewards differ by this")
+    seed: int = 0
+    # null: grpo.rewards (the same functions and weights GRPO optimises)
+    rewards: list[RewardParams] | None = None
+
+
+class PreferenceParams(Strict):
+    """Preference polish after SFT (and before GRPO) on Tunix's DPOTrainer: DPO, ORPO or SimPO."""
+
+    enabled: bool = False
+    method: Literal["dpo", "orpo", "simpo"] = "dpo"
+    # from_data: `data.sources` in format `preference`; from_rewards: sampled from the SFT model
+    pairs: Literal["from_data", "from_rewards"] = "from_rewards"
+    data: IngestParams | None = None
+    from_rewards: PairsFromRewardsParams = PairsFromRewardsParams()
+    beta: float = Field(0.1, gt=0, description="dpo: KL strength; simpo: reward scale; orpo: unused")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="conservative DPO / robust labels (all three)")
+    orpo_lambda: float = Field(0.1, gt=0, description="orpo: weight of the odds-ratio term")
+    simpo_gamma: float = Field(0.5, ge=0, description="simpo: target reward margin (gamma, as in the paper)")
+    # RPO: + sft_weight x NLL of the chosen answer (per-token mean); orpo has its own SFT term
+    sft_weight: float = Field(0.0, ge=0)
+    # dpo: the reference log-probabilities in one pass before training, so no reference model is held
+    precompute_reference: bool = False
+    max_prompt_length: int = Field(128, gt=0, description="tokens, left-padded; longer pairs are dropped and counted")
+    max_response_length: int = Field(64, gt=0, description="tokens, right-padded; longer pairs are dropped and counted")
+    per_device_batch_size: int = Field(2, gt=0, description="pairs per data-parallel device")
+    max_steps: int = Field(20, gt=0)
+    learning_rate: float = Field(5e-6, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    checkpoint_dir: str = "data/06_models/preference_checkpoints"  # a local folder or a gs://bucket/path URI
+    checkpoint_every: int = Field(100, gt=0)
+    keep_checkpoints: int = Field(2, gt=0)
+    time_budget_hours: float | None = Field(None, gt=0)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.warmup_steps >= self.max_steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than max_steps ({self.max_steps})")
+        if self.pairs == "from_data" and self.data is None:
+            raise ValueError("pairs: from_data needs `preference.data.sources` (format: preference)")
+        if self.data is not None:
+            formats = {s.format for s in self.data.sources}
+            if formats != {"preference"}:
+                raise ValueError(f"preference.data.sources must all have format: preference, got {sorted(formats)}")
+        if self.method == "orpo" and self.sft_weight:
+            raise ValueError("orpo has its own SFT term (weight 1): set sft_weight: 0, or use dpo/simpo with sft_weight")
+        if self.pairs == "from_rewards" and self.from_rewards.max_new_tokens >= self.max_response_length:
+            raise ValueError(
+                f"from_rewards.max_new_tokens ({self.from_rewards.max_new_tokens}) must be below max_response_length "
+                f"({self.max_response_length}): a sample and its end-of-turn must fit, or every pair is dropped"
+            )
+        if self.precompute_reference and self.method != "dpo":
+            raise ValueError(f"precompute_reference is for dpo; {self.method} has no reference model")
+        return self
+
+    def as_sft(self):
+        """The optimizer/schedule fields as an `SftParams`, to build the optimizer with SFT's own helper."""
+        return SftParams(
+            max_steps=self.max_steps, per_device_batch_size=self.per_device_batch_size,
+            learning_rate=self.learning_rate, warmup_steps=self.warmup_steps, schedule=self.schedule,
+            max_grad_norm=self.max_grad_norm, weight_decay=self.weight_decay, checkpoint_dir=self.checkpoint_dir,
+            checkpoint_every=self.checkpoint_every, keep_checkpoints=self.keep_checkpoints,
+            time_budget_hours=self.time_budget_hours, seed=self.seed,
+        )

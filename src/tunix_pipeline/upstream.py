@@ -1,0 +1,157 @@
+"""Where we reach into Tunix and JAX: each patch, override or private name, under the heading of its entry in
+`docs/upstream_tunix.md` (what the library does, what we do instead, when this code can go).
+
+Fixes to a model's maths live with the model, in `models/families/`; everything that swaps, wraps or reads
+Tunix's or JAX's internals at run time lives here, so an upgrade is checked in one file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+
+from tunix_pipeline.runtime import shard_rows, step_compiler_options
+
+REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+# ---------------------------------------------------------------- Tunix's jitted steps take no compiler options
+class jit_with_options:
+    """Within this block, `jax.jit` (which `nnx.jit` calls) compiles with `options`.
+
+    Tunix builds its train and eval steps with `nnx.jit`, which takes no compiler options; this passes ours to
+    the `jax.jit` underneath, only while they are built (a moment, on the thread that builds the trainer's steps).
+    """
+
+    def __init__(self, options: dict):
+        self.options, self.original = options, None
+
+    def __enter__(self):
+        if self.options:
+            self.original = original = jax.jit
+            options = self.options
+
+            def jit(*args, **kwargs):
+                kwargs.setdefault("compiler_options", options)
+                return original(*args, **kwargs)
+
+            jax.jit = jit
+        return self
+
+    def __exit__(self, *exc):
+        if self.original is not None:
+            jax.jit = self.original
+
+
+# ---------------------------------------------------------------- `shard_input` replicates a process's rows …
+# ---------------------------------------------------------------- The trainer's progress bar: … no throughput
+@functools.cache
+def trainer_class(base=None):
+    """`base` (Tunix's PeftTrainer or a subclass such as DPOTrainer) with three overrides:
+    - its jitted steps get `step_compiler_options()` (Tunix's jitted steps take no compiler options);
+    - each process's rows become one global batch on `data_mesh` before Tunix's `shard_input` sees them;
+    - its progress bar shows tokens/s once the throughput hook has logged it (the private `_tqdm_train_metrics`).
+    """
+    from tunix.sft import peft_trainer
+
+    class Trainer(base or peft_trainer.PeftTrainer):
+        data_mesh = None
+
+        def _prepare_inputs(self, batch):
+            if self.data_mesh is not None and jax.process_count() > 1 and isinstance(batch, dict):
+                batch = shard_rows(batch, self.data_mesh)
+            return super()._prepare_inputs(batch)
+
+        @property
+        def _tqdm_train_metrics(self):
+            names = super()._tqdm_train_metrics
+            if self.metrics_logger.metric_exists(self.metrics_prefix, "tokens_per_sec", "train"):
+                names = [*names, "tokens_per_sec"]
+            return names
+
+        def jit_train_and_eval_step(self, skip_jit: bool = False, cache_nnx_graph: bool = False):
+            building = not skip_jit and self._jitted_train_step_fn is None
+            with jit_with_options(step_compiler_options() if building else {}):
+                return super().jit_train_and_eval_step(skip_jit, cache_nnx_graph)
+
+    return Trainer
+
+
+# ---------------------------------------------------------------- DPO trainer: no SimPO, no precomputed reference …
+@functools.cache
+def preference_trainer_class():
+    """Tunix's DPOTrainer (with `trainer_class`'s overrides) that makes each batch one global array before the
+    reference pass, and takes precomputed reference log-probabilities (`REFERENCE_COLUMNS`) from the batch."""
+    from tunix.sft.dpo import dpo_trainer
+
+    class PreferenceTrainer(trainer_class(dpo_trainer.DPOTrainer)):
+        def _prepare_inputs(self, batch):
+            # the reference model's pass and the concatenation of chosen and rejected rows run on the mesh
+            batch = shard_rows(batch, self.data_mesh)
+            reference = [batch.pop(c, None) for c in REFERENCE_COLUMNS]
+            example = super()._prepare_inputs(batch)
+            if reference[0] is not None:
+                example = example.replace(ref_chosen_logps=reference[0], ref_rejected_logps=reference[1])
+            return example
+
+    return PreferenceTrainer
+
+
+def log_aux_metrics(trainer, names) -> None:
+    """The DPO trainer logs the aux metrics named in its private `_aux_metrics_to_log` (set for its own losses);
+    ours (SimPO, RPO, ORPO on means) return theirs through the loss hook."""
+    import numpy as np
+
+    trainer._aux_metrics_to_log = {name: np.mean for name in names}
+
+
+# ---------------------------------------------------------------- The last step's loss is written one step late
+def record_history_with_checkpoints(trainer, write_history) -> None:
+    """`write_history()` after each checkpoint the trainer saves (wraps its manager's `save`), so a killed run's
+    loss curve survives with its checkpoint, including the step Tunix has not written yet."""
+    manager = trainer.checkpoint_manager
+    save = manager.save
+
+    def save_and_record(step, *args, **kwargs):
+        saved = save(step, *args, **kwargs)
+        if saved:
+            write_history()
+        return saved
+
+    manager.save = save_and_record
+
+
+def pending_loss(trainer) -> float | None:
+    """The last step's loss, which Tunix keeps in a private buffer until the next step."""
+    pending = getattr(trainer, "_prev_buffered_train_metrics", None)
+    return None if pending is None else float(pending.loss)
+
+
+# ---------------------------------------------------------------- GRPO: a closed trainer keeps logging …
+@contextlib.contextmanager
+def scalar_listeners_scope():
+    """Scalar listeners added inside are removed on exit; stale MLflow ones from earlier stages before.
+
+    Tunix's `MetricsLogger.close()` calls `jax.monitoring.clear_event_listeners()`, which in jax 0.10 forgets
+    scalar listeners (it assigns a local `_scalar_listeners`), so a closed trainer's backend keeps receiving
+    every later metric: SFT's MLflow backend would log each GRPO metric a second time.
+    """
+    from jax._src import monitoring
+
+    from tunix_pipeline.step_metrics import MlflowBackend
+
+    def listeners():
+        return list(monitoring.get_scalar_listeners())
+
+    for listener in listeners():
+        if isinstance(getattr(listener, "__self__", None), MlflowBackend):
+            jax.monitoring.unregister_scalar_listener(listener)
+    before = listeners()
+    try:
+        yield
+    finally:
+        for listener in listeners():
+            if listener not in before:
+                jax.monitoring.unregister_scalar_listener(listener)
