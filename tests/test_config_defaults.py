@@ -1,31 +1,21 @@
-"""Every default in one place: where conf/base sets a field, the pydantic default (used by code that builds a
-section directly: tests, benchmarks, the planner) is the same value, so the two homes cannot drift apart."""
+"""Every default in one place: the code's (`tunix_pipeline.config`). Where conf/base sets a field to another value
+(sized for the smoke run on the tiny model: a recipe for a real model overrides it), its line says so with
+`default: <the code's value>`, and that value must be the code's, so the two homes cannot drift apart silently."""
 
 import inspect
+import re
 import types
 import typing
 from pathlib import Path
 
+import yaml
 from kedro.config import OmegaConfigLoader
 from pydantic import BaseModel, TypeAdapter
 
 from tunix_pipeline.pipeline_registry import register_pipelines
 
 CONF = Path(__file__).parents[1] / "conf"
-
-# Known differences, each to be resolved by choosing one value (then delete the line; a stale line fails too).
-# sft.warmup_steps: conf/base's 5 suits its short demo run; the tests and benchmarks that build SftParams rely on 0.
-# runtime.mesh: conf/base puts tp on the fake 8-device CPU mesh; code that builds RuntimeParams() (the planner's
-# tests, benchmarks) expects "auto", which also fits any device count.
-# grpo / preference: their sections belong to work in progress on GRPO (issue 14) and preference tuning (issue 19).
-KNOWN = {
-    "sft.warmup_steps", "runtime.mesh",
-    "grpo.max_prompt_length", "grpo.max_completion_length", "grpo.learning_rate", "grpo.checkpoint_every",
-    "grpo.keep_checkpoints",
-    "preference.enabled", "preference.from_rewards.eval_prompts", "preference.from_rewards.max_new_tokens",
-    "preference.from_rewards.batch_size", "preference.max_prompt_length", "preference.max_response_length",
-    "preference.per_device_batch_size", "preference.max_steps", "preference.learning_rate",
-}
+MARK = re.compile(r"default: ([^\s;)]+)")
 
 
 def section_models() -> dict[str, type[BaseModel]]:
@@ -65,16 +55,39 @@ def differences(model: type[BaseModel], values: dict, where: str = ""):
                 yield f"{where}{key}", conf, default
 
 
-def test_conf_base_values_equal_the_pydantic_defaults():
+def marked_defaults(folder: Path = CONF / "base") -> dict[str, object]:
+    """{setting: the value its `default: X` comment names} for every marked line of the folder's YAML files."""
+    marked = {}
+    for path in sorted(folder.glob("parameters*.yml")):
+        stack: list[tuple[int, str]] = []
+        for line in path.read_text().splitlines():
+            key = re.match(r"^(\s*)([A-Za-z_]\w*):", line)
+            if not key:
+                continue
+            indent = len(key.group(1))
+            stack = [(i, k) for i, k in stack if i < indent] + [(indent, key.group(2))]
+            comment = line.split("#", 1)[1] if "#" in line else ""
+            if found := MARK.search(comment):
+                marked[".".join(k for _, k in stack)] = yaml.safe_load(found.group(1))
+    return marked
+
+
+def test_conf_base_differs_from_the_code_only_where_it_says_so():
     params = OmegaConfigLoader(conf_source=str(CONF), base_env="base", default_run_env="base")["parameters"]
     models = section_models()
     assert {"runtime", "sft", "grpo", "preference", "evaluate", "tracking", "plan"} <= set(models)
     found = {setting: (conf, default) for section, model in models.items() if section in params
              for setting, conf, default in differences(model, params[section], f"{section}.")}
-    drifted = {k: v for k, v in found.items() if k not in KNOWN}
-    assert not drifted, "conf/base and tunix_pipeline.config disagree (setting: (conf/base, pydantic default)): " \
-        f"{drifted}; make the default in tunix_pipeline.config equal conf/base's value"
-    assert not KNOWN - set(found), f"no longer different, delete from KNOWN: {sorted(KNOWN - set(found))}"
+    marked = marked_defaults()
+    unmarked = {k: v for k, v in found.items() if k not in marked}
+    assert not unmarked, "conf/base and tunix_pipeline.config disagree (setting: (conf/base, code default)): " \
+        f"{unmarked}; make the code's default conf/base's value, or mark the line `# default: <code's value>`"
+    assert not set(marked) - set(found), f"marked `default:` but equal to the code: {sorted(set(marked) - set(found))}"
+    for setting, value in marked.items():
+        default = found[setting][1]
+        adapter = TypeAdapter(type(default)) if default is not None else None
+        said = adapter.dump_python(adapter.validate_python(value)) if adapter else value
+        assert said == default, f"conf/base says {setting} defaults to {value!r}; the code's default is {default!r}"
 
 
 def test_a_drifted_default_is_found():

@@ -241,8 +241,6 @@ def _trainer(model, sft: SftParams, mesh, options, ckpt_dir: epath.Path):
     return trainer
 
 
-
-
 def train(
     model,
     train_rows: pd.DataFrame,

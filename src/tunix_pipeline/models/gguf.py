@@ -131,6 +131,20 @@ def sha256_file(path: Path) -> str:
 # ---------------------------------------------------------------------------- config
 
 
+def _rope(arch: str, get, need, tensors, head_dim: int, path: Path) -> dict:
+    """transformers' rope parameters: default, linear scaling, or Llama 3's from its `rope_freqs` tensor."""
+    theta = float(get("rope.freq_base", 10000.0))
+    kind = get("rope.scaling.type", "none")
+    if kind not in ("none", "linear"):
+        raise ModelError(f"{path}: {arch}.rope.scaling.type={kind!r} is not supported (none or linear)")
+    freqs = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        return _llama3_rope(freqs, theta, head_dim, path)
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(need("rope.scaling.factor")), "rope_theta": theta}
+    return {"rope_type": "default", "rope_theta": theta}
+
+
 def hf_config(meta: dict, tensors, path: Path) -> dict:
     """transformers' config.json for the file, with what llama.cpp assumes where the metadata is silent."""
     arch = meta.get("general.architecture")
@@ -181,15 +195,7 @@ def hf_config(meta: dict, tensors, path: Path) -> dict:
     rope_dims = get("rope.dimension_count", head_dim)
     if rope_dims != head_dim:
         hf["partial_rotary_factor"] = rope_dims / head_dim  # the families refuse it by name
-    theta = float(get("rope.freq_base", 10000.0))
-    rope = {"rope_type": "default", "rope_theta": theta}
-    if get("rope.scaling.type", "none") != "none":
-        kind = get("rope.scaling.type")
-        if kind != "linear":
-            raise ModelError(f"{path}: {arch}.rope.scaling.type={kind!r} is not supported (none or linear)")
-        rope = {"rope_type": "linear", "factor": float(need("rope.scaling.factor")), "rope_theta": theta}
-    if "rope_freqs.weight" in names:
-        rope = _llama3_rope(next(t for t in tensors if t.name == "rope_freqs.weight"), theta, head_dim, path)
+    rope = _rope(arch, get, need, tensors, head_dim, path)
     if arch in ("llama", "qwen3"):  # (Qwen 2 always has q/k/v biases)
         hf["attention_bias"] = "blk.0.attn_q.bias" in names
     if arch in GEMMAS:

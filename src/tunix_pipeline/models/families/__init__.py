@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from tunix_pipeline.models.errors import ModelError
 from tunix_pipeline.models.families.base import Family
+from tunix_pipeline.models.families.gemma import GEMMA
+from tunix_pipeline.models.families.gemma2 import GEMMA2
+from tunix_pipeline.models.families.gemma3 import GEMMA3
+from tunix_pipeline.models.families.llama import LLAMA
+from tunix_pipeline.models.families.qwen import QWEN2, QWEN3
 
-REGISTRY: dict[str, Family] = {}
-
-
-def register(family: Family) -> Family:
-    for model_type in family.model_types:
-        REGISTRY[model_type] = family
-    return family
+REGISTRY: dict[str, Family] = {t: f for f in (GEMMA, GEMMA2, GEMMA3, LLAMA, QWEN2, QWEN3) for t in f.model_types}
 
 
 def family_for(hf_config: dict) -> Family:
@@ -22,8 +21,3 @@ def family_for(hf_config: dict) -> Family:
         )
     return REGISTRY[model_type]
 
-
-# Each module registers its families on import.
-from tunix_pipeline.models.families import gemma  # noqa: E402,F401
-from tunix_pipeline.models.families import llama, qwen  # noqa: E402,F401
-from tunix_pipeline.models.families import gemma2, gemma3  # noqa: E402,F401

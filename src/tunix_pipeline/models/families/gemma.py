@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from tunix_pipeline.models.families import register
 from tunix_pipeline.models.families.base import Family, linear_to_hf, require, rope_settings
 
 
@@ -108,14 +107,12 @@ def _model_class():
     return gemma_lib.Gemma
 
 
-GEMMA = register(
-    Family(
-        name="gemma",
-        model_types=("gemma",),
-        model_class=_model_class(),
-        config_from_hf=config_from_hf,
-        key_mapping=key_mapping,
-        preprocess=preprocess,
-        to_hf_state=to_hf_state,
-    )
+GEMMA = Family(
+    name="gemma",
+    model_types=("gemma",),
+    model_class=_model_class(),
+    config_from_hf=config_from_hf,
+    key_mapping=key_mapping,
+    preprocess=preprocess,
+    to_hf_state=to_hf_state,
 )

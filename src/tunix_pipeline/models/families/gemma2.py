@@ -9,7 +9,6 @@ import jax.numpy as jnp
 from flax import nnx
 from tunix.models.gemma import model as gemma_lib
 
-from tunix_pipeline.models.families import register
 from tunix_pipeline.models.families.base import Family, require, rope_settings
 from tunix_pipeline.models.families.gemma import decoder_to_hf
 
@@ -186,14 +185,12 @@ NORMS = {  # HF name -> Tunix name
 to_hf_state = decoder_to_hf(NORMS)
 
 
-GEMMA2 = register(
-    Family(
-        name=NAME,
-        model_types=("gemma2",),
-        model_class=Gemma2,
-        config_from_hf=config_from_hf,
-        key_mapping=key_mapping,
-        preprocess=preprocess,
-        to_hf_state=to_hf_state,
-    )
+GEMMA2 = Family(
+    name=NAME,
+    model_types=("gemma2",),
+    model_class=Gemma2,
+    config_from_hf=config_from_hf,
+    key_mapping=key_mapping,
+    preprocess=preprocess,
+    to_hf_state=to_hf_state,
 )

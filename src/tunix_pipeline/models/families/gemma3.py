@@ -10,7 +10,6 @@ import jax.numpy as jnp
 from tunix.models.gemma3 import model as gemma3_lib
 from tunix.utils import compat
 
-from tunix_pipeline.models.families import register
 from tunix_pipeline.models.families.base import Family, require
 from tunix_pipeline.models.families.gemma import decoder_to_hf
 from tunix_pipeline.models.families.gemma2 import check_common, layer_types, setting
@@ -151,14 +150,12 @@ NORMS = {  # HF name -> Tunix name
 to_hf_state = decoder_to_hf(NORMS)
 
 
-GEMMA3 = register(
-    Family(
-        name=NAME,
-        model_types=("gemma3_text",),
-        model_class=Gemma3Text,
-        config_from_hf=config_from_hf,
-        key_mapping=key_mapping,
-        preprocess=preprocess,
-        to_hf_state=to_hf_state,
-    )
+GEMMA3 = Family(
+    name=NAME,
+    model_types=("gemma3_text",),
+    model_class=Gemma3Text,
+    config_from_hf=config_from_hf,
+    key_mapping=key_mapping,
+    preprocess=preprocess,
+    to_hf_state=to_hf_state,
 )

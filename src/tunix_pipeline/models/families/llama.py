@@ -18,7 +18,6 @@ import numpy as np
 from tunix.models.llama3 import model as llama_lib
 
 from tunix_pipeline.models.errors import ModelError
-from tunix_pipeline.models.families import register
 from tunix_pipeline.models.families.base import Family, linear_to_hf, require, rope_settings
 
 # rope types we compute exactly as transformers' `modeling_rope_utils` does
@@ -194,14 +193,12 @@ def to_hf_state(params: dict, cfg, hf: dict) -> dict[str, np.ndarray]:
     return decoder_to_hf(params, cfg.num_layers, cfg.weight_tying)
 
 
-LLAMA = register(
-    Family(
-        name="llama",
-        model_types=("llama",),
-        model_class=Llama,
-        config_from_hf=config_from_hf,
-        key_mapping=key_mapping,
-        preprocess=None,
-        to_hf_state=to_hf_state,
-    )
+LLAMA = Family(
+    name="llama",
+    model_types=("llama",),
+    model_class=Llama,
+    config_from_hf=config_from_hf,
+    key_mapping=key_mapping,
+    preprocess=None,
+    to_hf_state=to_hf_state,
 )

@@ -13,7 +13,6 @@ import numpy as np
 from tunix.models.qwen2 import model as qwen2_lib
 from tunix.models.qwen3 import model as qwen3_lib
 
-from tunix_pipeline.models.families import register
 from tunix_pipeline.models.families.base import Family, require
 from tunix_pipeline.models.families.llama import decoder_to_hf, head_dim_of, rope_key, rope_scaling_from_hf, with_rope
 
@@ -69,16 +68,14 @@ def qwen2_to_hf_state(params: dict, cfg, hf: dict) -> dict[str, np.ndarray]:
     return state
 
 
-QWEN2 = register(
-    Family(
-        name="qwen2",
-        model_types=("qwen2",),
-        model_class=qwen2_lib.Qwen2,
-        config_from_hf=qwen2_config_from_hf,
-        key_mapping=qwen2_key_mapping,
-        preprocess=None,
-        to_hf_state=qwen2_to_hf_state,
-    )
+QWEN2 = Family(
+    name="qwen2",
+    model_types=("qwen2",),
+    model_class=qwen2_lib.Qwen2,
+    config_from_hf=qwen2_config_from_hf,
+    key_mapping=qwen2_key_mapping,
+    preprocess=None,
+    to_hf_state=qwen2_to_hf_state,
 )
 
 
@@ -123,14 +120,12 @@ def qwen3_to_hf_state(params: dict, cfg, hf: dict) -> dict[str, np.ndarray]:
     return state
 
 
-QWEN3 = register(
-    Family(
-        name="qwen3",
-        model_types=("qwen3",),
-        model_class=Qwen3,
-        config_from_hf=qwen3_config_from_hf,
-        key_mapping=qwen3_key_mapping,
-        preprocess=None,
-        to_hf_state=qwen3_to_hf_state,
-    )
+QWEN3 = Family(
+    name="qwen3",
+    model_types=("qwen3",),
+    model_class=Qwen3,
+    config_from_hf=qwen3_config_from_hf,
+    key_mapping=qwen3_key_mapping,
+    preprocess=None,
+    to_hf_state=qwen3_to_hf_state,
 )
