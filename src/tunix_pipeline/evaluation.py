@@ -262,15 +262,20 @@ def score(
         "mean_completion_chars": float(np.mean([len(r["generated"]) for r in rows])) if n else None,
     }
     if k > 1:
-        pass_k, majority_k = [], []
-        for start in range(0, n, k):  # the k samples of one prompt
-            group = rows[start : start + k]
-            pass_k.append(pass_at_k(k, sum(r["correct"] for r in group), k))
-            voted = majority_answer([r["extracted"] for r in group])
-            majority_k.append(answers_match(voted, group[0]["reference"], params.numeric_tolerance))
-        metrics[f"pass@{k}"] = float(np.mean(pass_k)) if pass_k else None
-        metrics[f"majority@{k}"] = float(np.mean(majority_k)) if majority_k else None
+        metrics.update(_per_prompt_metrics(rows, k, params.numeric_tolerance))
     return metrics, samples
+
+
+def _per_prompt_metrics(rows: list[dict], k: int, tolerance: float) -> dict:
+    """pass@k (some sample right) and majority@k (the most common answer right) over each prompt's k samples."""
+    pass_k, majority_k = [], []
+    for start in range(0, len(rows), k):
+        group = rows[start : start + k]
+        pass_k.append(pass_at_k(k, sum(r["correct"] for r in group), k))
+        voted = majority_answer([r["extracted"] for r in group])
+        majority_k.append(answers_match(voted, group[0]["reference"], tolerance))
+    return {f"pass@{k}": float(np.mean(pass_k)) if pass_k else None,
+            f"majority@{k}": float(np.mean(majority_k)) if majority_k else None}
 
 
 def _cell(value) -> str:
