@@ -63,6 +63,7 @@ def _header(plan: Plan) -> list[str]:
         f"| **peak** (the gradients overlap the activations) | **{size(m.peak)}** |",
         "",
     ]
+    return lines
 
 
 def _recommended(plan: Plan) -> str:
