@@ -102,3 +102,47 @@ def test_qwen_configs_come_from_the_checkpoint():
     hf["rope_theta"] = 1_000_000.0  # transformers 4 style
     cfg = family_for(hf).config_from_hf(hf)
     assert (cfg.head_dim, cfg.rope_theta, cfg.use_tied_embedding) == (16, 1_000_000.0, True)
+
+
+def _matmul_dtypes(fn, *args) -> set:
+    """The floating-point operand dtypes of every matmul in `fn`'s program (nested jaxprs included)."""
+    import jax
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield from (str(v.aval.dtype) for v in eqn.invars if "float" in str(v.aval.dtype))
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else [param]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        yield from walk(inner)
+
+    return set(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+def test_qwen_computes_in_the_runs_compute_dtype(tmp_path):
+    """Tunix's Qwen casts weights and activations to its config's dtype (float32 unless set): with
+    `sft.compute_dtype: bfloat16` over float32 weights, every matmul and the logits are bf16; without,
+    float32, as the parity tests above check against transformers."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from tunix.sft import utils as sft_utils
+
+    from tunix_pipeline.models.loading import load_model
+
+    folder = save_qwen(_qwen2(), tmp_path / "qwen")
+    tokens, mask = (jnp.asarray(x) for x in sample_batch(256))
+    positions = sft_utils.build_positions_from_mask(mask.astype(bool))
+    attention = sft_utils.make_causal_attn_mask(mask.astype(bool))
+    for compute, expected in ((None, "float32"), ("bfloat16", "bfloat16")):
+        model, cfg = load_model(folder, None, "float32", compute_dtype=compute)
+        graph, state = nnx.split(model)
+        assert {str(x.dtype) for x in jax.tree.leaves(state)} == {"float32"}  # the weights keep their dtype
+
+        def forward(state):
+            return nnx.merge(graph, state)(tokens, positions, None, attention)[0]
+
+        assert _matmul_dtypes(forward, state) == {expected}, compute
+        assert str(forward(state).dtype) == expected

@@ -14,7 +14,8 @@ from tunix_pipeline.planning import DoesNotFit, TrainSetup, build_plan, estimate
 from tunix_pipeline.planning import xla
 from tunix_pipeline.planning.architecture import lora_targets
 from tunix_pipeline.planning.memory import GIB
-from tunix_pipeline.planning.plan import Job, evaluate, make_plan
+from tunix_pipeline.planning.job import Job
+from tunix_pipeline.planning.plan import evaluate, make_plan
 
 from .conftest import ROOT
 

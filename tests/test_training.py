@@ -207,7 +207,7 @@ def test_logged_mfu_is_the_plans_mfu_without_a_hand_set_peak(tiny_model_dir, tok
     from tunix_pipeline.models import load_run_model
     from tunix_pipeline.planning import peak_flops_per_device
     from tunix_pipeline.planning.architecture import resolve
-    from tunix_pipeline.planning.plan import make_job
+    from tunix_pipeline.planning.job import make_job
 
     plan = PlanParams(**yaml.safe_load((ROOT / "conf" / "base" / "parameters_plan.yml").read_text())["plan"])
     peak = peak_flops_per_device(plan, MESH)  # runtime.peak_flops_per_device unset: the cpu profile's

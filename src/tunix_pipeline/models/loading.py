@@ -29,11 +29,23 @@ def tunix_config(folder: str | Path):
 REMAT = {"none": "NONE", "attention": "BLOCK", "decoder": "DECODER"}
 
 
-def load_model(folder: str | Path, mesh: jax.sharding.Mesh | None, dtype: str = "float32", remat: str = "none"):
-    """(Tunix model with the folder's weights, sharded over `mesh`, its Tunix config).
+def run_config(family: Family, hf: dict, remat: str = "none", compute_dtype: str | None = None):
+    """The Tunix config a run builds: `remat` (none, attention: recompute each attention block, decoder: each
+    whole layer in the backward pass; Tunix's RematConfig) and, where the family takes one, the dtype it
+    computes in (else the model computes in its weights' dtype)."""
+    cfg = family.config_from_hf(hf)
+    if remat != "none":
+        cfg = dataclasses.replace(cfg, remat_config=type(cfg.remat_config)[REMAT[remat]])
+    if compute_dtype and family.with_compute_dtype is not None:
+        cfg = family.with_compute_dtype(cfg, compute_dtype)
+    return cfg
 
-    `remat`: none, attention (recompute each attention block) or decoder (each
-    whole layer) in the backward pass, Tunix's RematConfig.
+
+def load_model(folder: str | Path, mesh: jax.sharding.Mesh | None, dtype: str = "float32", remat: str = "none",
+               compute_dtype: str | None = None):
+    """(Tunix model with the folder's weights in `dtype`, sharded over `mesh`, its Tunix config).
+
+    `remat` and `compute_dtype` (default: `dtype`) as `run_config` takes them.
     """
     from tunix.models import safetensors_loader
 
@@ -41,9 +53,7 @@ def load_model(folder: str | Path, mesh: jax.sharding.Mesh | None, dtype: str = 
     check_folder(folder)
     hf = read_hf_config(folder)
     family = family_for(hf)
-    cfg = family.config_from_hf(hf)
-    if remat != "none":
-        cfg = dataclasses.replace(cfg, remat_config=type(cfg.remat_config)[REMAT[remat]])
+    cfg = run_config(family, hf, remat, compute_dtype or dtype)
     if mesh is not None:
         _check_divisible(cfg, mesh)
     model = safetensors_loader.load_and_create_model(

@@ -36,14 +36,16 @@ def apply_lora(model, lora: LoraParams, mesh: jax.sharding.Mesh | None = None, s
     return adapted
 
 
-def load_run_model(folder, params, mesh: jax.sharding.Mesh | None, quantize: bool = True, remat: str = "none"):
+def load_run_model(folder, params, mesh: jax.sharding.Mesh | None, quantize: bool = True, remat: str = "none",
+                   compute_dtype: str | None = None):
     """(model, Tunix config) as a run trains it: the base weights plus the configured adapters.
 
-    `quantize=False` keeps a QLoRA run's base in full precision (to evaluate or export it).
+    `quantize=False` keeps a QLoRA run's base in full precision (to evaluate or export it);
+    `compute_dtype`: `sft.compute_dtype` (`loading.run_config`).
     """
     from tunix_pipeline.models.loading import load_model
 
-    model, cfg = load_model(folder, mesh, params.dtype, remat)
+    model, cfg = load_model(folder, mesh, params.dtype, remat, compute_dtype)
     if params.lora is not None:
         lora = params.lora if quantize else params.lora.model_copy(update={"quantize": None})
         model = apply_lora(model, lora, mesh)

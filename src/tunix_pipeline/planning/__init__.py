@@ -16,8 +16,10 @@ import re
 from tunix_pipeline.config import ModelParams, PlanParams, RuntimeParams, SftParams, TokenizeParams
 from tunix_pipeline.planning.architecture import Architecture, PlanError, from_hf_config, resolve
 from tunix_pipeline.planning.memory import GIB, MemoryEstimate, TrainSetup, estimate_memory
-from tunix_pipeline.planning.plan import DoesNotFit, Job, Plan, Row, detect_profile, make_job, make_plan, refusal
-from tunix_pipeline.planning.report import markdown
+from tunix_pipeline.planning.hardware import detect_profile
+from tunix_pipeline.planning.job import Job, make_job
+from tunix_pipeline.planning.plan import DoesNotFit, Plan, Row, make_plan
+from tunix_pipeline.planning.report import markdown, refusal
 
 __all__ = [
     "Architecture",

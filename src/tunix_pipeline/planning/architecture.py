@@ -80,12 +80,6 @@ class Architecture:
 
     # ------------------------------------------------------------ what Tunix's model computes in float32
     @property
-    def float32_activations(self) -> bool:
-        """Tunix's Qwen models compute in their config's dtype, float32 (it casts each weight and input
-        to it), whatever the weights' or `sft.compute_dtype`; Gemma's and Llama's in the weights' dtype."""
-        return self.model_type in ("qwen2", "qwen3")
-
-    @property
     def float32_softmax(self) -> bool:
         """Tunix's Qwen and Llama models take the attention softmax in float32."""
         return self.model_type in ("qwen2", "qwen3", "llama")
@@ -101,6 +95,15 @@ class Architecture:
         if remat != "none":
             passes += 1.0  # the layers run forward a second time
         return per_pass * passes
+
+    def with_layers(self, layers: int) -> "Architecture":
+        """The same model `layers` deep (its config.json's layer types cut to them): what `planning.xla`
+        compiles when it compiles fewer layers, and the estimate of that very program."""
+        hf = dict(self.hf_config)
+        hf["num_hidden_layers"] = layers
+        if isinstance(hf.get("layer_types"), list):
+            hf["layer_types"] = hf["layer_types"][:layers]
+        return from_hf_config(hf, self.name)
 
     def summary(self) -> dict:
         return {

@@ -62,37 +62,16 @@ def decode_program_bytes(arch: Architecture, setup: TrainSetup, sequences: int) 
             + sequences * arch.vocab_size * 4)
 
 
-def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, session_hours: float | None = None,
-              compiled: dict | None = None) -> dict:
-    """GRPO on one profile (the SFT row's mesh and dtypes); `compiled`: `grpo_xla.check`'s figures for it."""
-    arch, hw = plan.job.arch, row.hw
+def _batch_seconds(arch: Architecture, hw, setup: TrainSetup, grpo: GrpoParams, mfu: float, utilisation: float,
+                   compiled_flops: float | None) -> tuple:
+    """(prefill, decode or None without a bandwidth figure, reference/old log-probabilities, updates: seconds;
+    the update's FLOPs): one batch of rollouts and its num_iterations updates."""
     prompt, completion = grpo.max_prompt_length, grpo.max_completion_length
-    length = prompt + completion
-    setup = update_setup(row, grpo)
-    seqs = setup.per_device_batch
-    m = estimate_memory(arch, setup)
-    reference = reference_bytes(arch, setup, m.trainable_params) if grpo.beta else 0.0
-    # generation: the decode step's program (the policy once: the update's input and output copies are not
-    # live), the prefill's float32 logits over the prompt on top, and beside them the optimizer state and reference
-    kv = kv_cache_bytes(arch, setup, seqs, length)
-    decode = decode_program_bytes(arch, setup, seqs)
-    prefill_logits = seqs * prompt * arch.vocab_size * 4
-    update = m.peak + reference
-    compiled = compiled or {}
-    gen_x, upd_x = compiled.get("generation") or {}, compiled.get("update") or {}
-    if "xla_gib" in gen_x:
-        decode = gen_x["xla_gib"] * GIB
-    generation = decode + prefill_logits + m.optimizer + reference
-    if "xla_gib" in upd_x:  # the train step holds the policy and its optimizer; the reference beside it
-        update = upd_x["xla_gib"] * GIB + reference
-
-    # time of one batch of rollouts and its num_iterations updates
+    length, seqs = prompt + completion, setup.per_device_batch
     sequences = grpo.batch_size * grpo.num_generations
-    mfu = hw.mfu or params.mfu
     rate = hw.devices * hw.peak_tflops * 1e12 * mfu
     prefill_seconds = 2 * arch.params * sequences * prompt / rate
     decode_seconds = None
-    utilisation = hw.decode_utilisation or params.decode_utilisation
     if hw.hbm_gb_per_s:
         weights_read = arch.params * (NF4_BYTES if setup.mode == "qlora" else setup.c_bytes) / setup.tp
         cache_read = kv_cache_bytes(arch, setup, seqs, prompt + completion // 2)  # the cache is half full on average
@@ -101,9 +80,36 @@ def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, sessio
     logps_seconds = forward_passes * 2 * arch.params * sequences * length / rate
     mode = "full" if setup.mode == "full" else "lora"
     update_flops = sequences * length * arch.train_flops_per_token(length, mode, setup.remat)
-    if upd_x.get("flops_per_device"):
-        update_flops = upd_x["flops_per_device"] * setup.devices
+    if compiled_flops:
+        update_flops = compiled_flops * setup.devices
     update_seconds = grpo.num_iterations * update_flops / rate
+    return prefill_seconds, decode_seconds, logps_seconds, update_seconds, update_flops
+
+
+def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, session_hours: float | None = None,
+              compiled: dict | None = None) -> dict:
+    """GRPO on one profile (the SFT row's mesh and dtypes); `compiled`: `grpo_xla.check`'s figures for it."""
+    arch, hw, setup = plan.job.arch, row.hw, update_setup(row, grpo)
+    prompt, length, seqs = grpo.max_prompt_length, grpo.max_prompt_length + grpo.max_completion_length, setup.per_device_batch
+    m = estimate_memory(arch, setup)
+    reference = reference_bytes(arch, setup, m.trainable_params) if grpo.beta else 0.0
+    # generation: the decode step's program (the policy once: the update's input and output copies are not
+    # live), the prefill's float32 logits over the prompt on top, and beside them the optimizer state and reference
+    kv = kv_cache_bytes(arch, setup, seqs, length)
+    decode = decode_program_bytes(arch, setup, seqs)
+    prefill_logits = seqs * prompt * arch.vocab_size * 4
+    update = m.peak + reference
+    gen_x, upd_x = (compiled or {}).get("generation") or {}, (compiled or {}).get("update") or {}
+    if "xla_gib" in gen_x:
+        decode = gen_x["xla_gib"] * GIB
+    generation = decode + prefill_logits + m.optimizer + reference
+    if "xla_gib" in upd_x:  # the train step holds the policy and its optimizer; the reference beside it
+        update = upd_x["xla_gib"] * GIB + reference
+
+    sequences = grpo.batch_size * grpo.num_generations
+    mfu, utilisation = hw.mfu or params.mfu, hw.decode_utilisation or params.decode_utilisation
+    prefill_seconds, decode_seconds, logps_seconds, update_seconds, update_flops = _batch_seconds(
+        arch, hw, setup, grpo, mfu, utilisation, upd_x.get("flops_per_device"))
     batches = math.ceil(grpo.max_steps / grpo.num_iterations)
     setup_hours = (hw.setup_minutes if hw.setup_minutes is not None else params.session_setup_minutes) / 60
     session = min((h for h in (session_hours, hw.session_hours) if h), default=None)

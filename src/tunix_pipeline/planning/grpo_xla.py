@@ -24,58 +24,7 @@ import time
 from tunix_pipeline.config import GrpoParams
 from tunix_pipeline.planning.architecture import Architecture
 from tunix_pipeline.planning.memory import GIB, TrainSetup, estimate_memory
-
-
-def _mesh_and_model(arch: Architecture, setup: TrainSetup, layers: int, lora, devices, optimizer=None):
-    """(mesh, abstract model, abstract optimizer or None, wrt): the policy as the trainer builds and shards it."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from tunix_pipeline.config import RuntimeParams
-    from tunix_pipeline.planning.xla import _tunix_config
-    from tunix_pipeline.runtime import make_mesh
-
-    family, cfg = _tunix_config(arch, layers, setup.remat)
-    mesh = make_mesh(RuntimeParams(mesh=setup.mesh), list(devices)[: setup.devices])
-    dtype = jnp.dtype(setup.param_dtype)
-    lora_on = setup.mode != "full"
-    wrt = nnx.LoRAParam if lora_on else nnx.Param
-
-    def build():
-        model = family.model_class(cfg, rngs=nnx.Rngs(0))
-        nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), nnx.state(model, nnx.Param)))
-        if lora_on:
-            from tunix_pipeline.models.lora import apply_lora
-
-            model = apply_lora(model, lora)
-            if setup.mode == "qlora":  # qwix's quantized LoRA draws from these in the forward pass
-                model.set_attributes(qwix_rngs=nnx.Rngs(0), raise_if_not_found=False)
-                model(**model.get_model_input())
-        return model, (nnx.Optimizer(model, optimizer, wrt=wrt) if optimizer is not None else None)
-
-    model, opt = nnx.eval_shape(build)
-    return mesh, model, opt, wrt
-
-
-def _abstract(state, mesh):
-    """`state`'s leaves as ShapeDtypeStructs sharded by their partition metadata (replicated where it does not divide)."""
-    import jax
-    import numpy as np
-    from flax import nnx
-
-    def leaf(x, spec):
-        if isinstance(spec, jax.sharding.PartitionSpec):
-            sizes = [int(np.prod([mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else (ax or ()))]))
-                     for ax in spec]
-            if len(spec) > len(x.shape) or any(d % s for d, s in zip(x.shape, sizes)):
-                spec = jax.sharding.PartitionSpec()
-        else:
-            spec = jax.sharding.PartitionSpec()
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
-
-    return jax.tree.map(leaf, state, nnx.get_partition_spec(state),
-                        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+from tunix_pipeline.planning.xla import abstract, abstract_policy, accelerator_sharding, measure
 
 
 def _rows(mesh, sequences: int, shape: tuple, dtype):
@@ -89,16 +38,6 @@ def _rows(mesh, sequences: int, shape: tuple, dtype):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
 
 
-def _measure(lowered, started: float, layers: int, platform: str) -> dict:
-    compiled = lowered.compile()
-    ma = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    peak = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
-    return {"peak": peak, "flops": float(cost.get("flops", 0.0)), "layers": layers,
-            "seconds": time.perf_counter() - started, "platform": platform}
-
-
 def compile_decode_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams, layers: int, lora, devices) -> dict:
     """One decode step with the KV cache at the rollout's shapes, bytes and FLOPs per chip."""
     import jax
@@ -106,10 +45,9 @@ def compile_decode_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
     from flax import nnx
     from tunix.generate import sampler as tunix_sampler
 
-    from tunix_pipeline.planning.xla import accelerator_sharding
 
     started = time.perf_counter()
-    mesh, model, _, _ = _mesh_and_model(arch, setup, layers, lora, devices)
+    mesh, model, _, _ = abstract_policy(arch, setup, layers, lora, devices)
     graph, state = nnx.split(model)
     sequences = grpo.batch_size * grpo.num_generations
     cache_size = grpo.max_prompt_length + grpo.max_completion_length
@@ -127,10 +65,10 @@ def compile_decode_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
 
     with accelerator_sharding(), mesh:
         lowered = jax.jit(decode, donate_argnums=(1,)).lower(
-            _abstract(state, mesh), cache, _rows(mesh, sequences, (sequences, 1), jnp.int32),
+            abstract(state, mesh), cache, _rows(mesh, sequences, (sequences, 1), jnp.int32),
             _rows(mesh, sequences, (sequences, 1), jnp.int32), _rows(mesh, sequences, (sequences, 1, cache_size), jnp.bool_),
         )
-        return _measure(lowered, started, layers, devices[0].platform)
+        return measure(lowered, started, layers, devices[0].platform)
 
 
 def compile_update_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams, layers: int, lora, devices) -> dict:
@@ -143,10 +81,9 @@ def compile_update_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
 
     from tunix_pipeline import grpo as grpo_lib
     from tunix_pipeline.optim import make_optimizer
-    from tunix_pipeline.planning.xla import accelerator_sharding
 
     started = time.perf_counter()
-    mesh, model, optimizer, wrt = _mesh_and_model(arch, setup, layers, lora, devices, make_optimizer(grpo.optim))
+    mesh, model, optimizer, wrt = abstract_policy(arch, setup, layers, lora, devices, make_optimizer(grpo.optim))
     graph, trained, frozen = nnx.split(model, wrt, ...)
     opt_graph, opt_state = nnx.split(optimizer)
     algo_config, _ = grpo_lib.algorithm(grpo)
@@ -175,9 +112,9 @@ def compile_update_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
 
     with accelerator_sharding(), mesh:
         lowered = jax.jit(train_step, donate_argnums=(2,)).lower(
-            _abstract(trained, mesh), _abstract(frozen, mesh), _abstract(opt_state, mesh), example
+            abstract(trained, mesh), abstract(frozen, mesh), abstract(opt_state, mesh), example
         )
-        return _measure(lowered, started, layers, devices[0].platform)
+        return measure(lowered, started, layers, devices[0].platform)
 
 
 def layer_period(arch: Architecture, length: int) -> int:

@@ -9,48 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
-from tunix_pipeline.config import HardwareProfile, ModelParams, PlanParams, RuntimeParams, SftParams
-from tunix_pipeline.planning.architecture import Architecture, PlanError, lora_targets
+from tunix_pipeline.config import HardwareProfile, PlanParams
+from tunix_pipeline.planning.architecture import PlanError
+from tunix_pipeline.planning.job import Job, setup_on
 from tunix_pipeline.planning.memory import GIB, MemoryEstimate, TrainSetup, checkpoint_bytes, estimate_memory
 
 
 class DoesNotFit(PlanError):
     """The configured run needs more memory per device than the hardware has."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    """The training job, independent of the hardware it runs on."""
-
-    arch: Architecture
-    seq_len: int
-    per_device_batch: int
-    global_batch: int  # rows per optimizer step, as configured
-    max_steps: int
-    checkpoint_every: int
-    param_dtype: str
-    compute_dtype: str | None
-    mode: str  # full | lora | qlora
-    lora_rank: int
-    lora_targets: tuple[str, ...]
-    optimizer: str
-    remat: str
-    loss_chunk: int | None
-    tp: int  # tensor-parallel size asked for (1: data/fsdp only)
-    mesh: dict | None  # the configured mesh when explicit
-    train_rows: int | None = None
-    time_budget_hours: float | None = None  # sft.time_budget_hours: a session budget on any hardware
-
-    @property
-    def samples(self) -> int:
-        return self.max_steps * self.global_batch
-
-    def flops_per_step(self, global_batch: int, remat: str) -> float:
-        """Analytic FLOPs of one optimizer step of `global_batch` rows."""
-        mode = "full" if self.mode == "full" else "lora"
-        return global_batch * self.seq_len * self.arch.train_flops_per_token(self.seq_len, mode, remat)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,84 +149,6 @@ class Plan:
                 "total_cost": total * s.hw.cost_per_hour if total is not None and s.hw.cost_per_hour is not None else None}
 
 
-# ---------------------------------------------------------------- the job from the configuration
-def make_job(arch: Architecture, model: ModelParams, sft: SftParams, runtime: RuntimeParams,
-             seq_len: int, devices: int, train_rows: int | None = None) -> Job:
-    """The job as configured, on `devices` devices (those of the selected hardware)."""
-    mesh = runtime.mesh if isinstance(runtime.mesh, dict) else None
-    tp = (mesh or {}).get("tp", 1)
-    data_parallel = devices // tp if mesh is None or _mesh_size(mesh) != devices else _mesh_size(mesh) // tp
-    mode = "full" if model.lora is None else ("qlora" if model.lora.quantize else "lora")
-    micro_batch = sft.per_device_batch_size * max(data_parallel, 1)
-    if sft.epochs is not None:
-        if not train_rows:
-            raise PlanError(
-                f"sft.epochs: {sft.epochs:g} needs the number of training rows to plan the steps: set "
-                "plan.train_rows (the sft preflight counts the tokenized rows itself)"
-            )
-        try:
-            sft = sft.steps_for(train_rows, micro_batch)
-        except ValueError as err:
-            raise PlanError(str(err)) from None
-    return Job(
-        arch=arch,
-        seq_len=seq_len,
-        per_device_batch=sft.per_device_batch_size,
-        global_batch=micro_batch * sft.gradient_accumulation_steps,
-        max_steps=sft.max_steps,
-        checkpoint_every=sft.checkpoint_every,
-        param_dtype=model.dtype,
-        compute_dtype=sft.compute_dtype,
-        mode=mode,
-        lora_rank=model.lora.rank if model.lora else 16,
-        lora_targets=lora_targets(model.lora.target_modules) if model.lora else (),
-        optimizer=sft.optimizer,
-        remat=sft.remat,
-        loss_chunk=sft.loss_chunk_size,
-        tp=tp,
-        mesh=dict(mesh) if mesh else None,
-        train_rows=train_rows,
-        time_budget_hours=sft.time_budget_hours,
-    )
-
-
-def _mesh_size(mesh: dict) -> int:
-    return math.prod(mesh.values())
-
-
-def setup_on(job: Job, hw: HardwareProfile, per_device_batch: int | None = None) -> tuple[TrainSetup, int]:
-    """(the job's train step on this hardware, its global batch): the configured mesh when it
-    has this many devices, else all devices on fsdp (tp kept when it divides); the configured
-    global batch is kept by gradient accumulation where the hardware has fewer data-parallel devices."""
-    if job.mesh and _mesh_size(job.mesh) == hw.devices:
-        data, fsdp, tp = job.mesh.get("data", 1), job.mesh.get("fsdp", 1), job.mesh.get("tp", 1)
-    else:
-        tp = job.tp if hw.devices % job.tp == 0 else 1
-        data, fsdp = 1, hw.devices // tp
-    dp = data * fsdp
-    micro = per_device_batch or job.per_device_batch
-    micro = max(1, min(micro, math.ceil(job.global_batch / dp)))
-    accum = max(1, round(job.global_batch / (micro * dp)))
-    setup = TrainSetup(
-        per_device_batch=micro,
-        seq_len=job.seq_len,
-        data=data,
-        fsdp=fsdp,
-        tp=tp,
-        param_dtype=job.param_dtype,
-        compute_dtype=job.compute_dtype,
-        backend=hw.kind,
-        mode=job.mode,
-        lora_rank=job.lora_rank,
-        lora_targets=job.lora_targets or TrainSetup.lora_targets,
-        optimizer=job.optimizer,
-        grad_accum=accum,
-        remat=job.remat,
-        loss_chunk=job.loss_chunk,
-    )
-    return setup, micro * dp * accum
-
-
 # ---------------------------------------------------------------- one profile
 def evaluate(job: Job, name: str, hw: HardwareProfile, plan: PlanParams, setup: TrainSetup | None = None,
              compiled: dict | None = None) -> Row:
@@ -285,22 +174,7 @@ def evaluate(job: Job, name: str, hw: HardwareProfile, plan: PlanParams, setup: 
     if ckpt is None:
         ckpt = checkpoint_bytes(job.arch, setup) / (plan.checkpoint_gb_per_s * 1e9)
     every = max(1, math.ceil(job.checkpoint_every * job.global_batch / global_batch))
-    saves = math.ceil(steps / every)
-    setup_seconds = (hw.setup_minutes if hw.setup_minutes is not None else plan.session_setup_minutes) * 60
-    notes = []
-    steps_per_session = None
-    session_hours = min(h for h in (hw.session_hours, job.time_budget_hours, math.inf) if h)
-    if session_hours < math.inf:
-        usable_session = session_hours * 3600 - setup_seconds - ckpt  # the last save must fit too
-        per_step = step_seconds + ckpt / every
-        steps_per_session = max(0, int(usable_session // per_step)) if usable_session > 0 else 0
-        if steps_per_session and every * step_seconds > usable_session:
-            notes.append(f"a {session_hours:g} h session ends before the first checkpoint (every {every} steps)")
-        sessions = math.ceil(steps / steps_per_session) if steps_per_session else 0
-    else:
-        sessions = 1
-    seconds = steps * step_seconds + saves * ckpt + max(sessions, 1) * setup_seconds
-    hours = seconds / 3600
+    steps_per_session, sessions, hours, notes = _sessions(job, hw, plan, steps, step_seconds, ckpt, every)
     weeks = math.ceil(hours / hw.weekly_hours) if hw.weekly_hours else None
     cost = hours * hw.cost_per_hour if hw.cost_per_hour is not None else None
     pcost = hours * hw.preemptible_cost_per_hour if hw.preemptible_cost_per_hour is not None else None
@@ -337,60 +211,26 @@ def evaluate(job: Job, name: str, hw: HardwareProfile, plan: PlanParams, setup: 
     )
 
 
-# ---------------------------------------------------------------- the selected hardware
-def detect_profile(plan: PlanParams, runtime: RuntimeParams | None = None) -> tuple[str, HardwareProfile]:
-    """The profile of the devices JAX sees (`plan.hardware: auto`)."""
-    import jax
-
-    devices = jax.devices()
-    kind = devices[0].platform
-    n = len(devices)
-    if kind == "cpu":
-        base = plan.profiles.get("cpu") or HardwareProfile(kind="cpu", devices=n, memory_gib=1, peak_tflops=0.02)
-        total = _host_memory_bytes()
-        memory = total / n / GIB if total else base.memory_gib
-        per_device_peak = base.peak_tflops * base.devices / n
-        return "cpu", base.model_copy(update={"devices": n, "memory_gib": memory, "peak_tflops": per_device_peak})
-    device_kind = getattr(devices[0], "device_kind", kind)
-    stats = devices[0].memory_stats() or {}
-    match = _match(plan, kind, device_kind, n)
-    if match is not None:
-        name, hw = match
-        update = {"devices": n}
-        if stats.get("bytes_limit"):
-            update["memory_gib"] = stats["bytes_limit"] / GIB
-        return name, hw.model_copy(update=update)
-    peak = (runtime.peak_flops_per_device / 1e12) if runtime and runtime.peak_flops_per_device else 100.0
-    return f"detected {device_kind} x{n}", HardwareProfile(
-        kind="tpu" if kind == "tpu" else "gpu",
-        devices=n,
-        memory_gib=(stats.get("bytes_limit") or 16 * GIB) / GIB,
-        peak_tflops=peak,
-        note=f"detected: {device_kind}",
-    )
-
-
-KIND_HINTS = {
-    "v5 lite": "v5e", "v5e": "v5e", "v6 lite": "v6e", "v6e": "v6e", "v5p": "v5p", "v5": "v5p", "v4": "v4", "v3": "v3",
-    "h200": "h200", "h100": "h100", "a100": "a100", "a10g": "a10g", "l4": "l4", "t4": "t4",
-}
-
-
-def _match(plan: PlanParams, kind: str, device_kind: str, n: int):
-    low = device_kind.lower()
-    hint = next((v for k, v in KIND_HINTS.items() if k in low), None)
-    if hint is None:
-        return None
-    candidates = [(k, p) for k, p in plan.profiles.items() if hint in k and p.kind == ("tpu" if kind == "tpu" else "gpu")]
-    exact = [(k, p) for k, p in candidates if p.devices == n and not k.startswith("kaggle")]
-    return (exact or candidates or [None])[0]
-
-
-def _host_memory_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
+def _sessions(job: Job, hw: HardwareProfile, plan: PlanParams, steps: int, step_seconds: float, ckpt: float,
+              every: int) -> tuple[int | None, int, float, list[str]]:
+    """(steps per session, sessions, hours in all, notes): the run cut into sessions of `hw.session_hours` (or
+    `sft.time_budget_hours`), each paying the set-up and ending with a checkpoint save."""
+    saves = math.ceil(steps / every)
+    setup_seconds = (hw.setup_minutes if hw.setup_minutes is not None else plan.session_setup_minutes) * 60
+    notes = []
+    steps_per_session = None
+    session_hours = min(h for h in (hw.session_hours, job.time_budget_hours, math.inf) if h)
+    if session_hours < math.inf:
+        usable_session = session_hours * 3600 - setup_seconds - ckpt  # the last save must fit too
+        per_step = step_seconds + ckpt / every
+        steps_per_session = max(0, int(usable_session // per_step)) if usable_session > 0 else 0
+        if steps_per_session and every * step_seconds > usable_session:
+            notes.append(f"a {session_hours:g} h session ends before the first checkpoint (every {every} steps)")
+        sessions = math.ceil(steps / steps_per_session) if steps_per_session else 0
+    else:
+        sessions = 1
+    seconds = steps * step_seconds + saves * ckpt + max(sessions, 1) * setup_seconds
+    return steps_per_session, sessions, seconds / 3600, notes
 
 
 # ---------------------------------------------------------------- the whole plan
@@ -415,7 +255,7 @@ def make_plan(job: Job, plan: PlanParams, selected: tuple[str, HardwareProfile],
         if chosen.memory_fraction > plan.warn_memory_fraction:
             warnings.append(
                 f"uses {chosen.memory_fraction:.0%} of the usable memory per device on {name} "
-                f"({_gib(chosen.peak)} of {_gib(chosen.usable_bytes)}): little headroom, an OOM is possible"
+                f"({size(chosen.peak)} of {size(chosen.usable_bytes)}): little headroom, an OOM is possible"
             )
         warnings += [
             n + ": checkpoint more often (sft.checkpoint_every), or set sft.time_budget_hours so the run saves in time"
@@ -462,10 +302,6 @@ def _price(row: Row, plan: PlanParams) -> float:
     return row.cost if row.cost is not None else math.inf
 
 
-def _gib(x: float) -> str:
-    return size(x)
-
-
 def size(x: float) -> str:
     """Bytes as GiB (MiB below one GiB)."""
     return f"{x / GIB:.2f} GiB" if x >= GIB / 2 else f"{x / 2**20:.1f} MiB"
@@ -483,35 +319,35 @@ def what_would_fit(job: Job, row: Row, plan: PlanParams) -> list[str]:
     if job.mode == "full":
         lora = s.replace(mode="lora", lora_targets=TrainSetup.lora_targets)
         if peak(lora) <= usable:
-            out.append(f"LoRA (model.lora: {{rank: 16}}): {_gib(peak(lora))}")
+            out.append(f"LoRA (model.lora: {{rank: 16}}): {size(peak(lora))}")
         elif peak(lora.replace(mode="qlora")) <= usable:
-            out.append(f"QLoRA (model.lora: {{quantize: nf4}}): {_gib(peak(lora.replace(mode='qlora')))}")
+            out.append(f"QLoRA (model.lora: {{quantize: nf4}}): {size(peak(lora.replace(mode='qlora')))}")
     for b in range(s.per_device_batch - 1, 0, -1):
         smaller = s.replace(per_device_batch=b, grad_accum=s.grad_accum * s.per_device_batch // b or 1)
         if peak(smaller) <= usable:
             out.append(
                 f"per-device batch {b} (sft.per_device_batch_size: {b}, sft.gradient_accumulation_steps: "
-                f"{math.ceil(job.global_batch / (b * s.data * s.fsdp))} keeps the global batch): {_gib(peak(smaller))}"
+                f"{math.ceil(job.global_batch / (b * s.data * s.fsdp))} keeps the global batch): {size(peak(smaller))}"
             )
             break
     length = job.seq_len
     while length > 64:
         length //= 2
         if peak(s.replace(seq_len=length)) <= usable:
-            out.append(f"sequences of {length} tokens (tokenize.max_length: {length}): {_gib(peak(s.replace(seq_len=length)))}")
+            out.append(f"sequences of {length} tokens (tokenize.max_length: {length}): {size(peak(s.replace(seq_len=length)))}")
             break
     for remat in ("attention", "decoder"):
         if s.remat == "none" or (s.remat == "attention" and remat == "decoder"):
             if peak(s.replace(remat=remat)) <= usable:
-                out.append(f"remat (sft.remat: {remat}): {_gib(peak(s.replace(remat=remat)))}")
+                out.append(f"remat (sft.remat: {remat}): {size(peak(s.replace(remat=remat)))}")
                 break
     if not s.loss_chunk and arch.vocab_size >= 32000:
         chunked = s.replace(loss_chunk=256)
         if peak(chunked) <= usable:
-            out.append(f"a chunked loss (sft.loss_chunk_size: 256): {_gib(peak(chunked))}")
+            out.append(f"a chunked loss (sft.loss_chunk_size: 256): {size(peak(chunked))}")
     both = s.replace(remat="decoder", loss_chunk=s.loss_chunk or 256)
     if not any(x.startswith(("remat", "a chunked")) for x in out) and peak(both) <= usable:
-        out.append(f"remat and a chunked loss (sft.remat: decoder, sft.loss_chunk_size: 256): {_gib(peak(both))}")
+        out.append(f"remat and a chunked loss (sft.remat: decoder, sft.loss_chunk_size: 256): {size(peak(both))}")
     bigger = [
         (n, p) for n, p in plan.profiles.items()
         if p.kind == row.hw.kind and p.devices * p.memory_gib > row.hw.devices * row.hw.memory_gib
@@ -519,32 +355,5 @@ def what_would_fit(job: Job, row: Row, plan: PlanParams) -> list[str]:
     ]
     if bigger:
         n, p = min(bigger, key=lambda x: (x[1].cost_per_hour if x[1].cost_per_hour is not None else math.inf, x[1].devices))
-        out.append(f"more devices or memory: {n} ({p.devices} x {p.memory_gib:g} GiB): {_gib(evaluate(job, n, p, plan).memory.peak)}")
+        out.append(f"more devices or memory: {n} ({p.devices} x {p.memory_gib:g} GiB): {size(evaluate(job, n, p, plan).memory.peak)}")
     return out
-
-
-def refusal(plan: Plan) -> str:
-    """Why the selected run cannot start, by how much, and what would make it fit."""
-    s = plan.selected
-    over = s.peak - s.usable_bytes
-    m = s.memory
-    compiled = ""
-    if s.compiled_peak is not None and plan.xla:
-        compiled = (f" at least (XLA:TPU refuses to compile it for {plan.xla['topology']})" if plan.xla.get("out_of_memory")
-                    else f" (XLA:TPU, compiled for {plan.xla['topology']})")
-    lines = [
-        f"{plan.job.arch.name} ({plan.job.mode} fine-tuning, {plan.job.param_dtype}, per-device batch "
-        f"{s.setup.per_device_batch} x {plan.job.seq_len} tokens, mesh {s.setup.mesh}) does not fit {s.profile}: "
-        f"it needs {_gib(s.peak)} per device{compiled} and {_gib(s.usable_bytes)} is usable "
-        f"({s.hw.memory_gib:g} GiB x {plan.assumptions.get('usable_memory_fraction', 1):g}): "
-        f"over by {_gib(over)} ({over / s.usable_bytes:.0%}).",
-        f"  per device (estimate, {_gib(m.peak)} in all): parameters {_gib(m.params)}, gradients {_gib(m.grads)}, optimizer {_gib(m.optimizer)}, "
-        f"activations {_gib(m.activations)}, logits {_gib(m.logits)}.",
-    ]
-    if plan.advice:
-        lines.append("  It would fit with any of:")
-        lines += [f"  - {a}" for a in plan.advice]
-    else:
-        lines.append("  Nothing tried here makes it fit: use LoRA/QLoRA with a smaller batch, remat and shorter sequences, or a larger machine.")
-    lines.append("  (`kedro run --pipelines=plan` shows every hardware profile; `plan.enabled: false` skips this check.)")
-    return "\n".join(lines)

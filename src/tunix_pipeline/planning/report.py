@@ -31,7 +31,8 @@ def _row(r: Row, selected: str, recommended: str | None) -> str:
     )
 
 
-def markdown(plan: Plan) -> str:
+def _header(plan: Plan) -> list[str]:
+    """The job, the selected hardware's verdict and the estimate's memory per device."""
     j, s = plan.job, plan.selected
     m = s.memory
     status = {"ok": "fits", "risky": "fits, with warnings", "over": "**does not fit**"}[plan.status]
@@ -62,18 +63,25 @@ def markdown(plan: Plan) -> str:
         f"| **peak** (the gradients overlap the activations) | **{size(m.peak)}** |",
         "",
     ]
+    return lines
+
+
+def _recommended(plan: Plan) -> str:
     if plan.recommended:
         r = plan.recommended
-        lines.append(
+        return (
             f"**Recommended:** {r.profile} — the cheapest that fits and finishes within the budget: "
             f"{_hours(r.hours)}, {_money(r.cost)}"
             + (f" ({_money(r.preemptible_cost)} preemptible)" if r.preemptible_cost is not None else "")
             + (f", {r.sessions} session(s)" if r.steps_per_session is not None else "")
             + "."
         )
-    else:
-        lines.append("**Recommended:** none of the profiles fits this run within the budget.")
-    lines.append("")
+    return "**Recommended:** none of the profiles fits this run within the budget."
+
+
+def markdown(plan: Plan) -> str:
+    s = plan.selected
+    lines = _header(plan) + [_recommended(plan), ""]
     if plan.warnings:
         lines += ["**Warnings:**", ""] + [f"- {w}" for w in plan.warnings] + [""]
     if plan.advice:
@@ -164,3 +172,30 @@ def stages_line(plan: Plan) -> list[str]:
     total = "unknown (a profile without a bandwidth)" if st["total_hours"] is None else (
         f"{_hours(st['total_hours'])}, {_money(st['total_cost'])}")
     return [f"**Every stage on {plan.selected.profile}:** {parts}; in all {total}."]
+
+
+def refusal(plan: Plan) -> str:
+    """Why the selected run cannot start, by how much, and what would make it fit."""
+    s = plan.selected
+    over = s.peak - s.usable_bytes
+    m = s.memory
+    compiled = ""
+    if s.compiled_peak is not None and plan.xla:
+        compiled = (f" at least (XLA:TPU refuses to compile it for {plan.xla['topology']})" if plan.xla.get("out_of_memory")
+                    else f" (XLA:TPU, compiled for {plan.xla['topology']})")
+    lines = [
+        f"{plan.job.arch.name} ({plan.job.mode} fine-tuning, {plan.job.param_dtype}, per-device batch "
+        f"{s.setup.per_device_batch} x {plan.job.seq_len} tokens, mesh {s.setup.mesh}) does not fit {s.profile}: "
+        f"it needs {size(s.peak)} per device{compiled} and {size(s.usable_bytes)} is usable "
+        f"({s.hw.memory_gib:g} GiB x {plan.assumptions.get('usable_memory_fraction', 1):g}): "
+        f"over by {size(over)} ({over / s.usable_bytes:.0%}).",
+        f"  per device (estimate, {size(m.peak)} in all): parameters {size(m.params)}, gradients {size(m.grads)}, optimizer {size(m.optimizer)}, "
+        f"activations {size(m.activations)}, logits {size(m.logits)}.",
+    ]
+    if plan.advice:
+        lines.append("  It would fit with any of:")
+        lines += [f"  - {a}" for a in plan.advice]
+    else:
+        lines.append("  Nothing tried here makes it fit: use LoRA/QLoRA with a smaller batch, remat and shorter sequences, or a larger machine.")
+    lines.append("  (`kedro run --pipelines=plan` shows every hardware profile; `plan.enabled: false` skips this check.)")
+    return "\n".join(lines)

@@ -81,24 +81,13 @@ def accelerator_sharding():
             module.shard = original
 
 
-def _with_layers(arch: Architecture, layers: int) -> dict:
-    hf = dict(arch.hf_config)
-    hf["num_hidden_layers"] = layers
-    if isinstance(hf.get("layer_types"), list):
-        hf["layer_types"] = hf["layer_types"][:layers]
-    return hf
-
-
-def _tunix_config(arch: Architecture, layers: int, remat: str):
+def _tunix_config(arch: Architecture, layers: int, remat: str, compute_dtype: str | None = None):
     from tunix_pipeline.models.families import family_for
-    from tunix_pipeline.models.loading import REMAT
+    from tunix_pipeline.models.loading import run_config
 
-    hf = _with_layers(arch, layers)
+    hf = arch.with_layers(layers).hf_config
     family = family_for(hf)
-    cfg = family.config_from_hf(hf)
-    if remat != "none":
-        cfg = dataclasses.replace(cfg, remat_config=type(cfg.remat_config)[REMAT[remat]])
-    return family, cfg
+    return family, run_config(family, hf, remat, compute_dtype)
 
 
 def sft_params(setup: TrainSetup):
@@ -118,39 +107,26 @@ def sft_params(setup: TrainSetup):
     )
 
 
-def compile_step(arch: Architecture, setup: TrainSetup, layers: int | None = None, lora=None, devices=None) -> dict:
-    """memory_analysis() of the compiled train step, bytes per device."""
+def abstract_policy(arch: Architecture, setup: TrainSetup, layers: int, lora, devices, tx=None):
+    """(mesh, model, optimizer or None, wrt): the model as the trainer builds and shards it, abstract
+    (`nnx.eval_shape`, no weights), in `setup`'s parameter dtype, with LoRA/QLoRA applied; the optimizer
+    over what is trained (`wrt`) when `tx` is given."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    import optax
     from flax import nnx
 
     from tunix_pipeline.config import RuntimeParams
-    from tunix_pipeline.tokenization import TOKEN_COLUMNS
-    from tunix_pipeline.optim import make_optimizer
-    from tunix_pipeline.runtime import BATCH_AXES, make_mesh
-    from tunix_pipeline.loss import loss_fn_for, model_inputs
+    from tunix_pipeline.runtime import make_mesh
 
-    layers = layers or arch.num_layers
-    family, cfg = _tunix_config(arch, layers, setup.remat)
-    devices = devices if devices is not None else jax.devices()[: setup.devices]
-    if len(devices) < setup.devices:
-        raise PlanError(f"the XLA check needs {setup.devices} devices; JAX sees {len(devices)}")
+    family, cfg = _tunix_config(arch, layers, setup.remat, setup.c_dtype)
     mesh = make_mesh(RuntimeParams(mesh=setup.mesh), list(devices)[: setup.devices])
-    sft = sft_params(setup)
-    tx = make_optimizer(sft.optim)
-    if setup.grad_accum > 1:
-        tx = optax.MultiSteps(tx, setup.grad_accum)  # as PeftTrainer wraps it
-    loss_fn = loss_fn_for(sft)
     dtype = jnp.dtype(setup.param_dtype)
     lora_on = setup.mode != "full"
     wrt = nnx.LoRAParam if lora_on else nnx.Param
 
     def build():
         model = family.model_class(cfg, rngs=nnx.Rngs(0))
-        state = nnx.state(model, nnx.Param)
-        nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), state))
+        nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), nnx.state(model, nnx.Param)))
         if lora_on:
             from tunix_pipeline.models.lora import apply_lora
 
@@ -158,65 +134,97 @@ def compile_step(arch: Architecture, setup: TrainSetup, layers: int | None = Non
             if setup.mode == "qlora":  # qwix's quantized LoRA draws from these in the forward pass
                 model.set_attributes(qwix_rngs=nnx.Rngs(0), raise_if_not_found=False)
                 model(**model.get_model_input())  # and creates some adapters on the first call
-        return model, nnx.Optimizer(model, tx, wrt=wrt)
+        return model, (nnx.Optimizer(model, tx, wrt=wrt) if tx is not None else None)
 
-    started = time.perf_counter()
-    model, optimizer = nnx.eval_shape(build)  # shardings come from the metadata below
-    graph, trained, frozen = nnx.split(model, wrt, ...)
-    opt_graph, opt_state = nnx.split(optimizer)
+    model, optimizer = nnx.eval_shape(build)  # shardings come from the metadata (`abstract`)
+    return mesh, model, optimizer, wrt
 
-    def abstract(state):
-        def divides(spec, shape):
-            for axes, dim in zip(spec, shape):
-                names = (axes,) if isinstance(axes, str) else (axes or ())
-                if dim % max(1, int(np.prod([mesh.shape[a] for a in names]))):
-                    return False
-            return len(spec) <= len(shape)
 
-        def leaf(x, spec):
-            if not isinstance(spec, jax.sharding.PartitionSpec) or not divides(spec, x.shape):
-                spec = jax.sharding.PartitionSpec()  # e.g. Adafactor's factored moments: replicated
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+def abstract(state, mesh):
+    """`state`'s leaves as ShapeDtypeStructs sharded by their partition metadata (replicated where it does
+    not divide, e.g. Adafactor's factored moments)."""
+    import jax
+    import numpy as np
+    from flax import nnx
 
-        specs = nnx.get_partition_spec(state)
-        return jax.tree.map(leaf, state, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    def leaf(x, spec):
+        if isinstance(spec, jax.sharding.PartitionSpec):
+            sizes = [int(np.prod([mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else (ax or ()))]))
+                     for ax in spec]
+            if len(spec) > len(x.shape) or any(d % s for d, s in zip(x.shape, sizes)):
+                spec = jax.sharding.PartitionSpec()
+        else:
+            spec = jax.sharding.PartitionSpec()
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
 
-    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*BATCH_AXES))
-    global_batch = setup.per_device_batch * setup.data * setup.fsdp
-    batch = {
-        k: jax.ShapeDtypeStruct((global_batch, setup.seq_len), jnp.int32, sharding=rows)
-        for k in TOKEN_COLUMNS[1:]
-    }
+    return jax.tree.map(leaf, state, nnx.get_partition_spec(state),
+                        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
-    def train_step(trained, frozen, opt_state, batch):  # Tunix's PeftTrainer._train_step
-        model = nnx.merge(graph, trained, frozen)
-        optimizer = nnx.merge(opt_graph, opt_state)
-        inputs = model_inputs(batch)
-        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt))(model, **inputs)
-        grad_norm = optax.global_norm(grads)
-        optimizer.update(model, grads)
-        return loss, grad_norm, nnx.state(model, wrt), nnx.state(optimizer)
 
-    with accelerator_sharding(), mesh:
-        lowered = jax.jit(train_step, donate_argnums=(2,)).lower(abstract(trained), abstract(frozen), abstract(opt_state), batch)
-        # buffers are assigned before LLVM runs: skipping its optimisations changes no figure, only the wait
-        fast = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-        compiled = lowered.compile(compiler_options=fast if devices[0].platform == "cpu" else None)
+def measure(lowered, started: float, layers: int, platform: str) -> dict:
+    """Compile `lowered`: memory_analysis() (bytes per device: arguments + outputs - aliases + temporaries)
+    and cost_analysis() FLOPs per device (the program is partitioned)."""
+    # XLA:CPU assigns buffers before LLVM runs: skipping its optimisations changes no figure, only the wait
+    fast = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+    compiled = lowered.compile(compiler_options=fast if platform == "cpu" else None)
     ma = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # one dict per program in older JAX
     out = {
-        "flops": float(cost.get("flops", 0.0)),  # per device: the program is partitioned
+        "flops": float(cost.get("flops", 0.0)),
         "argument": ma.argument_size_in_bytes,
         "output": ma.output_size_in_bytes,
         "alias": ma.alias_size_in_bytes,
         "temp": ma.temp_size_in_bytes,
         "layers": layers,
         "seconds": time.perf_counter() - started,
-        "platform": devices[0].platform,
+        "platform": platform,
     }
     out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
     return out
+
+
+def compile_step(arch: Architecture, setup: TrainSetup, layers: int | None = None, lora=None, devices=None) -> dict:
+    """memory_analysis() of the compiled train step, bytes per device."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from tunix_pipeline.loss import loss_fn_for, model_inputs
+    from tunix_pipeline.optim import make_optimizer
+    from tunix_pipeline.runtime import BATCH_AXES
+    from tunix_pipeline.tokenization import TOKEN_COLUMNS
+
+    layers = layers or arch.num_layers
+    devices = devices if devices is not None else jax.devices()[: setup.devices]
+    if len(devices) < setup.devices:
+        raise PlanError(f"the XLA check needs {setup.devices} devices; JAX sees {len(devices)}")
+    sft = sft_params(setup)
+    tx = make_optimizer(sft.optim)
+    if setup.grad_accum > 1:
+        tx = optax.MultiSteps(tx, setup.grad_accum)  # as PeftTrainer wraps it
+    loss_fn = loss_fn_for(sft)
+    started = time.perf_counter()
+    mesh, model, optimizer, wrt = abstract_policy(arch, setup, layers, lora, devices, tx)
+    graph, trained, frozen = nnx.split(model, wrt, ...)
+    opt_graph, opt_state = nnx.split(optimizer)
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*BATCH_AXES))
+    global_batch = setup.per_device_batch * setup.data * setup.fsdp
+    batch = {k: jax.ShapeDtypeStruct((global_batch, setup.seq_len), jnp.int32, sharding=rows) for k in TOKEN_COLUMNS[1:]}
+
+    def train_step(trained, frozen, opt_state, batch):  # Tunix's PeftTrainer._train_step
+        model = nnx.merge(graph, trained, frozen)
+        optimizer = nnx.merge(opt_graph, opt_state)
+        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt))(model, **model_inputs(batch))
+        grad_norm = optax.global_norm(grads)
+        optimizer.update(model, grads)
+        return loss, grad_norm, nnx.state(model, wrt), nnx.state(optimizer)
+
+    with accelerator_sharding(), mesh:
+        lowered = jax.jit(train_step, donate_argnums=(2,)).lower(
+            abstract(trained, mesh), abstract(frozen, mesh), abstract(opt_state, mesh), batch)
+        return measure(lowered, started, layers, devices[0].platform)
 
 
 def xla_peak(arch: Architecture, setup: TrainSetup, max_layers: int | None = 4, lora=None, devices=None) -> dict:

@@ -26,6 +26,10 @@ class Family:
     preprocess: Callable[[Any], Callable[[dict], dict]] | None
     # (flat Tunix params {"layers.0.attn.q_einsum.w": array}, Tunix config, config.json) -> HF tensors
     to_hf_state: Callable[[dict[str, np.ndarray], Any, dict], dict[str, np.ndarray]]
+    # (Tunix config, dtype name) -> the config computing in that dtype, for a model whose layers cast their
+    # weights and inputs to a configured dtype (Qwen's `ModelConfig.dtype`, float32 unless set); None: the
+    # model computes in its weights' dtype (Gemma, Llama), which the loss casts to `sft.compute_dtype`
+    with_compute_dtype: Callable[[Any, str], Any] | None = None
 
 
 def require(condition: bool, family: str, setting: str, value, supported: str) -> None:

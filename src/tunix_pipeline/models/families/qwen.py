@@ -4,11 +4,15 @@ Qwen 2 uses Tunix's `Qwen2` as it is (it honours `rope_theta`). Tunix 0.1.7's Qw
 like its Llama, calls `apply_rope` without the config's `rope_theta` (always 1e6), so Qwen 3
 uses `RopeAttention`, Tunix's attention with only `apply_rope` replaced (docs/upstream_tunix.md).
 Both attend to every position unless given a mask: `compute_logits` and Tunix's trainers and
-samplers always pass a causal one.
+samplers always pass a causal one. Both cast every weight and activation to their config's `dtype`
+(float32 by default): the model is built computing in the run's dtype (`with_compute_dtype`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax.numpy as jnp
 import numpy as np
 from tunix.models.qwen2 import model as qwen2_lib
 from tunix.models.qwen3 import model as qwen3_lib
@@ -46,6 +50,11 @@ def _common(family: str, hf: dict, head_dim: int) -> dict:
     )
 
 
+def with_compute_dtype(cfg, dtype: str):
+    """`cfg` computing in `dtype`: the weights and activations are cast to it (the weights keep their dtype)."""
+    return dataclasses.replace(cfg, dtype=jnp.dtype(dtype))
+
+
 # ---------------------------------------------------------------------------- Qwen 2
 
 
@@ -76,6 +85,7 @@ QWEN2 = Family(
     key_mapping=qwen2_key_mapping,
     preprocess=None,
     to_hf_state=qwen2_to_hf_state,
+    with_compute_dtype=with_compute_dtype,
 )
 
 
@@ -128,4 +138,5 @@ QWEN3 = Family(
     key_mapping=qwen3_key_mapping,
     preprocess=None,
     to_hf_state=qwen3_to_hf_state,
+    with_compute_dtype=with_compute_dtype,
 )

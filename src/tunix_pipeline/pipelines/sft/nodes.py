@@ -23,7 +23,7 @@ def train_sft(
     plan: PlanParams,
 ) -> dict:
     mesh = make_mesh(runtime)
-    network, _ = load_run_model(base_model["path"], model, mesh, remat=sft.remat)
+    network, _ = load_run_model(base_model["path"], model, mesh, remat=sft.remat, compute_dtype=sft.compute_dtype)
     live = mlflow.active_run() is not None and jax.process_index() == 0
     lineage = start_from(network, sft.init_from, sft.checkpoint_dir) if sft.init_from else {}
     if live and lineage:
