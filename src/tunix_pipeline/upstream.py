@@ -17,6 +17,18 @@ from tunix_pipeline.runtime import shard_rows, step_compiler_options
 REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
+# ---------------------------------------------------------------- Loading only from the hub, and only some families
+def tunix_key_mapping(params_module, cfg) -> dict:
+    """Tunix's checkpoint-key mapping for a family's config (its loader's private `_get_key_and_transform_mapping`),
+    which our families reuse and correct where the docs say."""
+    return params_module._get_key_and_transform_mapping(cfg)
+
+
+def tunix_preprocess(params_module, cfg):
+    """Tunix's tensor preprocessing for a family's checkpoint (its loader's private `_make_preprocess_fn`)."""
+    return params_module._make_preprocess_fn(cfg)
+
+
 # ---------------------------------------------------------------- Tunix's jitted steps take no compiler options
 class jit_with_options:
     """Within this block, `jax.jit` (which `nnx.jit` calls) compiles with `options`.

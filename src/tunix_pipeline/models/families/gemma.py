@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tunix_pipeline import upstream
 from tunix_pipeline.models.families.base import Family, linear_to_hf, require, rope_settings
 
 
@@ -41,7 +42,7 @@ def key_mapping(cfg):
     """Tunix's Gemma mapping, except that Gemma 1's `post_attention_layernorm` is the pre-MLP norm."""
     from tunix.models.gemma import params_safetensors
 
-    mapping = params_safetensors._get_key_and_transform_mapping(cfg)
+    mapping = upstream.tunix_key_mapping(params_safetensors, cfg)
     mapping[r"model\.layers\.([0-9]+)\.post_attention_layernorm\.weight"] = (r"layers.\1.pre_ffw_norm.scale", None)
     return mapping
 
@@ -49,7 +50,7 @@ def key_mapping(cfg):
 def preprocess(cfg):
     from tunix.models.gemma import params_safetensors
 
-    return params_safetensors._make_preprocess_fn(cfg)
+    return upstream.tunix_preprocess(params_safetensors, cfg)
 
 
 def attention_to_hf(params: dict, i: int, cfg) -> dict[str, np.ndarray]:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from tunix.models.gemma import model as gemma_lib
 
+from tunix_pipeline import upstream
 from tunix_pipeline.models.families.base import Family, require, rope_settings
 from tunix_pipeline.models.families.gemma import decoder_to_hf
 
@@ -165,13 +166,13 @@ def key_mapping(cfg):
     """Tunix's Gemma 2 safetensors mapping, as is (its norms are right for Gemma 2)."""
     from tunix.models.gemma import params_safetensors
 
-    return params_safetensors._get_key_and_transform_mapping(cfg)
+    return upstream.tunix_key_mapping(params_safetensors, cfg)
 
 
 def preprocess(cfg):
     from tunix.models.gemma import params_safetensors
 
-    return params_safetensors._make_preprocess_fn(cfg)
+    return upstream.tunix_preprocess(params_safetensors, cfg)
 
 
 NORMS = {  # HF name -> Tunix name

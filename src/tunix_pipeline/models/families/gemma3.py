@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from tunix.models.gemma3 import model as gemma3_lib
 from tunix.utils import compat
 
+from tunix_pipeline import upstream
 from tunix_pipeline.models.families.base import Family, require
 from tunix_pipeline.models.families.gemma import decoder_to_hf
 from tunix_pipeline.models.families.gemma2 import check_common, layer_types, setting
@@ -128,13 +129,13 @@ def key_mapping(cfg):
     """Tunix's Gemma 3 safetensors mapping, as is."""
     from tunix.models.gemma3 import params_safetensors
 
-    return params_safetensors._get_key_and_transform_mapping(cfg)
+    return upstream.tunix_key_mapping(params_safetensors, cfg)
 
 
 def preprocess(cfg):
     from tunix.models.gemma3 import params_safetensors
 
-    return params_safetensors._make_preprocess_fn(cfg)
+    return upstream.tunix_preprocess(params_safetensors, cfg)
 
 
 NORMS = {  # HF name -> Tunix name

@@ -17,6 +17,7 @@ import types
 import numpy as np
 from tunix.models.llama3 import model as llama_lib
 
+from tunix_pipeline import upstream
 from tunix_pipeline.models.errors import ModelError
 from tunix_pipeline.models.families.base import Family, linear_to_hf, require, rope_settings
 
@@ -160,7 +161,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
 def key_mapping(cfg):
     from tunix.models.llama3 import params
 
-    return params._get_key_and_transform_mapping(cfg)
+    return upstream.tunix_key_mapping(params, cfg)
 
 
 # ---------------------------------------------------------------------------- export

@@ -17,6 +17,7 @@ import numpy as np
 from tunix.models.qwen2 import model as qwen2_lib
 from tunix.models.qwen3 import model as qwen3_lib
 
+from tunix_pipeline import upstream
 from tunix_pipeline.models.families.base import Family, require
 from tunix_pipeline.models.families.llama import decoder_to_hf, head_dim_of, rope_key, rope_scaling_from_hf, with_rope
 
@@ -66,7 +67,7 @@ def qwen2_config_from_hf(hf: dict):
 def qwen2_key_mapping(cfg):
     from tunix.models.qwen2 import params
 
-    return params._get_key_and_transform_mapping(cfg)
+    return upstream.tunix_key_mapping(params, cfg)
 
 
 def qwen2_to_hf_state(params: dict, cfg, hf: dict) -> dict[str, np.ndarray]:
@@ -119,7 +120,7 @@ def qwen3_config_from_hf(hf: dict):
 def qwen3_key_mapping(cfg):
     from tunix.models.qwen3 import params
 
-    return params._get_key_and_transform_mapping(cfg)
+    return upstream.tunix_key_mapping(params, cfg)
 
 
 def qwen3_to_hf_state(params: dict, cfg, hf: dict) -> dict[str, np.ndarray]:
