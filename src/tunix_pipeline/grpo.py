@@ -67,7 +67,7 @@ class PromptFeed:
             for start in range(0, n - self.batch_size + 1, self.batch_size):
                 idx = order[start : start + self.batch_size]
                 if self.rollout_config is not None:
-                    self.rollout_config.seed = self.seed * 1_000_003 + step
+                    upstream.move_rollout_seed(self.rollout_config, self.seed * 1_000_003 + step)
                 step += 1
                 yield {k: v[idx] for k, v in self.columns.items()}
 
@@ -82,14 +82,8 @@ def algorithm(params: GrpoParams):
         return grpo_learner.GRPOConfig(beta=params.beta, **common), grpo_learner.GRPOLearner
     if params.loss_variant == "dr-grpo":
         return drgrpo_learner.DrGRPOConfig(beta=params.beta, **common), drgrpo_learner.DrGRPOLearner
-    # DAPO: no KL (beta None), and its overlong shaping counts characters against a 16k budget,
-    # so it is off; use the `length_penalty` reward instead.
-    config = dapo_learner.DAPOConfig(
-        epsilon_high=params.epsilon_high if params.epsilon_high is not None else 0.28, overlong_buffer=None, **common
-    )
-    # Tunix 0.1.7 computes reference log-probs whenever `beta != 0.0`, which is true for DAPO's None:
-    # 0.0 skips that pass (and the reference model) and means the same to the loss.
-    config.beta = 0.0
+    epsilon_high = params.epsilon_high if params.epsilon_high is not None else 0.28
+    config = upstream.dapo_config(epsilon_high, **common)
     return config, dapo_learner.DAPOLearner
 
 

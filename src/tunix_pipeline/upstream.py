@@ -167,3 +167,21 @@ def scalar_listeners_scope():
         for listener in listeners():
             if listener not in before:
                 jax.monitoring.unregister_scalar_listener(listener)
+
+
+# ---------------------------------------------------------------- GRPO: the rollout samples with the same key every step
+def move_rollout_seed(rollout_config, seed: int) -> None:
+    """Tunix's rollout samples with `RolloutConfig.seed` on every call; set before each batch, steps draw afresh."""
+    rollout_config.seed = seed
+
+
+# ---------------------------------------------------------------- DAPO: reference log-probs without a KL term, …
+def dapo_config(epsilon_high: float, **common):
+    """Tunix's `DAPOConfig` without the overlong shaping (it counts characters; the `length_penalty` reward is the
+    knob) and with `beta = 0.0`: Tunix computes reference log-probs whenever `beta != 0.0`, true for DAPO's None,
+    and 0.0 means the same to the loss without that pass or a reference model."""
+    from tunix.rl.grpo import dapo_learner
+
+    config = dapo_learner.DAPOConfig(epsilon_high=epsilon_high, overlong_buffer=None, **common)
+    config.beta = 0.0
+    return config
