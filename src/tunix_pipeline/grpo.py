@@ -106,62 +106,19 @@ def train_grpo(
 ) -> dict:
     """GRPO on `model` in place (full weights, or its LoRA adapters); resumes from `params.checkpoint_dir`."""
     from tunix.rl import rl_cluster as rl_cluster_lib
-    from tunix.rl.rollout import base_rollout
 
-    from tunix_pipeline.evaluation import end_tokens
-    from tunix_pipeline.runtime import BATCH_AXES, data_parallel_size
-
-    sequences = params.batch_size * params.num_generations
-    if sequences % data_parallel_size(mesh):
-        raise GrpoError(
-            f"grpo.batch_size x grpo.num_generations = {sequences} completions per step must divide over the "
-            f"{data_parallel_size(mesh)} data-parallel devices of the mesh {dict(mesh.shape)}"
-        )
     rewards = RewardSet(params.rewards)
-    rows, too_long = fitting_prompts(train_formatted, tokenizer, params.max_prompt_length)
-    if not len(rows):
-        raise GrpoError(
-            f"no training prompt fits grpo.max_prompt_length={params.max_prompt_length} tokens; raise it"
-        )
-
+    rows, too_long = _training_prompts(train_formatted, tokenizer, params, mesh)
     root = storage_path(params.checkpoint_dir, "grpo.checkpoint_dir")  # a gs:// URI reaches Orbax as it is
-    options = checkpoints.logger_options(root, metrics_backends)
-    rollout = base_rollout.RolloutConfig(
-        max_tokens_to_generate=params.max_completion_length,
-        max_prompt_length=params.max_prompt_length,
-        kv_cache_size=params.max_prompt_length + params.max_completion_length,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        seed=params.seed,
-        eos_tokens=end_tokens(tokenizer),
-    )
+    rollout = _rollout_config(params, tokenizer)
     algo_config, learner_cls = algorithm(params)
-    roles = rl_cluster_lib.Role
-    cluster_config = rl_cluster_lib.ClusterConfig(
-        role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},
-        rollout_engine="vanilla",
-        offload_to_cpu=False,
-        training_config=rl_cluster_lib.RLTrainingConfig(
-            actor_optimizer=make_optimizer(params.optim),
-            eval_every_n_steps=params.max_steps + 1,
-            max_steps=params.max_steps,
-            checkpoint_root_directory=str(root),
-            checkpointing_options=checkpoints.options(params.checkpoint_every, params.keep_checkpoints, params.max_steps),
-            metrics_logging_options=options,
-            data_sharding_axis=BATCH_AXES,
-            pbar_description="grpo",
-        ),
-        rollout_config=rollout,
-    )
+    cluster_config = _cluster_config(params, mesh, root, checkpoints.logger_options(root, metrics_backends), rollout)
     # the reference is the SFT policy as it is now, before any GRPO checkpoint is restored into the actor
     reference = frozen_copy(model) if algo_config.beta else None
-
     # `with mesh:` and not `jax.set_mesh`: under the latter Tunix's optimizer sharding step fails
     with upstream.scalar_listeners_scope(), mesh:
-        cluster = rl_cluster_lib.RLCluster(
-            actor=model, reference=reference, tokenizer=tokenizer, cluster_config=cluster_config
-        )
+        cluster = rl_cluster_lib.RLCluster(actor=model, reference=reference, tokenizer=tokenizer,
+                                           cluster_config=cluster_config)
         start_step = cluster.actor_trainer.train_steps
         history = checkpoints.load_history(root, start_step, HISTORY_FILE)
         started = time.perf_counter()
@@ -173,20 +130,14 @@ def train_grpo(
             if start_step:
                 log.info("resuming GRPO from checkpoint step %d in %s", start_step, root / "actor")
             cluster.actor_trainer.with_training_hooks(progress.training_hooks("grpo"))
-            learner = learner_cls(
-                rl_cluster=cluster,
-                algo_config=algo_config,
-                reward_fns=rewards.tunix_reward_fns(),
-                metric_fns=[rewards.metric_fn],
-            )
-            learner.train(PromptFeed(rows, params.batch_size, params.seed, rollout))
+            learner_cls(rl_cluster=cluster, algo_config=algo_config, reward_fns=rewards.tunix_reward_fns(),
+                        metric_fns=[rewards.metric_fn]).train(PromptFeed(rows, params.batch_size, params.seed, rollout))
         seconds = time.perf_counter() - started
         end_step = cluster.actor_trainer.train_steps
 
     history += _new_history(cluster.actor_trainer.metrics_logger, rewards, start_step, end_step, params)
     checkpoints.save_history(root, history, HISTORY_FILE)
     barrier("grpo_end")  # multi-host: no process goes on before process 0 has written the history, as after SFT
-    first, last = (history[0], history[-1]) if history else ({}, {})
     trend = reward_trend(history)
     if trend:
         log.info("grpo: %s", trend["summary"])
@@ -202,13 +153,74 @@ def train_grpo(
         "rewards": dict(rewards.weights),
         "prompts": len(rows),
         "prompts_too_long": too_long,
-        "completions_per_step": sequences,
-        "first_reward": first.get("reward"),
-        "last_reward": last.get("reward"),
+        "completions_per_step": params.batch_size * params.num_generations,
+        "first_reward": history[0].get("reward") if history else None,
+        "last_reward": history[-1].get("reward") if history else None,
         "reward_trend": trend,
         "history": history,
         "train_seconds": seconds,
     }
+
+
+def _training_prompts(train_formatted: pd.DataFrame, tokenizer, params: GrpoParams, mesh) -> tuple[pd.DataFrame, int]:
+    """(the prompts that fit `max_prompt_length`, how many did not); refuses a batch that does not divide the mesh."""
+    from tunix_pipeline.runtime import data_parallel_size
+
+    sequences = params.batch_size * params.num_generations
+    if sequences % data_parallel_size(mesh):
+        raise GrpoError(
+            f"grpo.batch_size x grpo.num_generations = {sequences} completions per step must divide over the "
+            f"{data_parallel_size(mesh)} data-parallel devices of the mesh {dict(mesh.shape)}"
+        )
+    rows, too_long = fitting_prompts(train_formatted, tokenizer, params.max_prompt_length)
+    if not len(rows):
+        raise GrpoError(
+            f"no training prompt fits grpo.max_prompt_length={params.max_prompt_length} tokens; raise it"
+        )
+    return rows, too_long
+
+
+def _rollout_config(params: GrpoParams, tokenizer):
+    """Tunix's sampling settings for the rollouts: lengths, KV cache, temperature / top-p / top-k, stop tokens."""
+    from tunix.rl.rollout import base_rollout
+
+    from tunix_pipeline.evaluation import end_tokens
+
+    return base_rollout.RolloutConfig(
+        max_tokens_to_generate=params.max_completion_length,
+        max_prompt_length=params.max_prompt_length,
+        kv_cache_size=params.max_prompt_length + params.max_completion_length,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        eos_tokens=end_tokens(tokenizer),
+    )
+
+
+def _cluster_config(params: GrpoParams, mesh, root, logging_options, rollout):
+    """Actor, reference and rollout on one mesh; the actor's optimizer, steps and checkpoints."""
+    from tunix.rl import rl_cluster as rl_cluster_lib
+
+    from tunix_pipeline.runtime import BATCH_AXES
+
+    roles = rl_cluster_lib.Role
+    return rl_cluster_lib.ClusterConfig(
+        role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},
+        rollout_engine="vanilla",
+        offload_to_cpu=False,
+        training_config=rl_cluster_lib.RLTrainingConfig(
+            actor_optimizer=make_optimizer(params.optim),
+            eval_every_n_steps=params.max_steps + 1,
+            max_steps=params.max_steps,
+            checkpoint_root_directory=str(root),
+            checkpointing_options=checkpoints.options(params.checkpoint_every, params.keep_checkpoints, params.max_steps),
+            metrics_logging_options=logging_options,
+            data_sharding_axis=BATCH_AXES,
+            pbar_description="grpo",
+        ),
+        rollout_config=rollout,
+    )
 
 
 def reward_trend(history: list[dict]) -> dict | None:
