@@ -105,13 +105,15 @@ def test_qwen_configs_come_from_the_checkpoint():
 
 
 def _matmul_dtypes(fn, *args) -> set:
-    """The floating-point operand dtypes of every matmul in `fn`'s program (nested jaxprs included)."""
+    """The operand dtypes of every matmul over activations (batch x length x ...) in `fn`'s program, nested
+    jaxprs included: the projections, attention and head; not RoPE's float32 positions x frequencies."""
     import jax
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "dot_general":
-                yield from (str(v.aval.dtype) for v in eqn.invars if "float" in str(v.aval.dtype))
+                if max(len(v.aval.shape) for v in eqn.invars) >= 3:
+                    yield from (str(v.aval.dtype) for v in eqn.invars if "int" not in str(v.aval.dtype))
             for param in eqn.params.values():
                 for sub in param if isinstance(param, (list, tuple)) else [param]:
                     inner = getattr(sub, "jaxpr", sub)
