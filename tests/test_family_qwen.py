@@ -125,8 +125,8 @@ def _matmul_dtypes(fn, *args) -> set:
 
 def test_qwen_computes_in_the_runs_compute_dtype(tmp_path):
     """Tunix's Qwen casts weights and activations to its config's dtype (float32 unless set): with
-    `sft.compute_dtype: bfloat16` over float32 weights, every matmul and the logits are bf16; without,
-    float32, as the parity tests above check against transformers."""
+    `sft.compute_dtype: bfloat16` over float32 weights, every matmul (projections, attention, the head)
+    is bf16; without, float32, as the parity tests above check against transformers."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -147,4 +147,4 @@ def test_qwen_computes_in_the_runs_compute_dtype(tmp_path):
             return nnx.merge(graph, state)(tokens, positions, None, attention)[0]
 
         assert _matmul_dtypes(forward, state) == {expected}, compute
-        assert str(forward(state).dtype) == expected
+        assert str(forward(state).dtype) == "float32"  # Tunix's Qwen returns its logits upcast, either way
