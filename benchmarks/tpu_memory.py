@@ -1,12 +1,14 @@
 """The memory estimate against XLA:TPU's compiled train step, on this CPU (libtpu, no TPU): JSON lines.
 
     python benchmarks/tpu_memory.py                 # Gemma-2B on a v5e-8: batch 1/2/4 x 512/1024, remat or not
+    python benchmarks/tpu_memory.py --layers 2      # the same grid two layers deep
     python benchmarks/tpu_memory.py --recipes       # the TPU recipes' own steps (tpu_full, qwen05b_v5e8, v4_64_pod)
 
-Each line: the setup, XLA:TPU's peak bytes per chip (2 and 3 layers compiled and extrapolated, as
-the plan does: `xla.xla_peak`), the estimate for the same step, their difference, and the compile
-time. `tests/test_tpu_compile.py` and `tests/test_recipes.py` hold the estimate to 10% of these.
-Each compile takes ~1-5 min of this CPU (Gemma-2B layers at these lengths; more under load).
+Each line: the setup, XLA:TPU's peak bytes per chip, the estimate for the same step, their
+difference, and the compile time. The grid compiles Gemma-2B `--layers` deep (default 1) and
+estimates that very model; the recipes are compiled at 2 and 3 layers and extrapolated to their
+depth, as the plan does (`xla.xla_peak`). `tests/test_tpu_compile.py` and `tests/test_recipes.py`
+hold the estimate to 10% of these. A grid compile takes ~15-40 s of a quiet CPU (one layer).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from tunix_pipeline.planning.memory import GIB  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cases(recipes: bool):
+def cases(recipes: bool, layers: int):
     known = yaml.safe_load((ROOT / "conf" / "base" / "parameters_plan.yml").read_text())["plan"]["architectures"]
     gemma = from_hf_config(known["google/gemma-2b"], "google/gemma-2b")
     if not recipes:
@@ -36,7 +38,7 @@ def cases(recipes: bool):
             for length in (512, 1024):
                 for batch in (1, 2, 4):
                     setup = TrainSetup(per_device_batch=batch, seq_len=length, fsdp=8, param_dtype="bfloat16", remat=remat)
-                    yield "gemma-2b", gemma, setup, "v5e:2x4", 1
+                    yield f"gemma-2b, {layers} layer(s)", gemma.with_layers(layers), setup, "v5e:2x4", 1
         return
     # the recipes' steps as their plans set them up (conf/<recipe>/parameters.yml)
     yield "tpu_full", gemma, TrainSetup(per_device_batch=4, seq_len=1024, fsdp=8, param_dtype="bfloat16",
@@ -52,8 +54,9 @@ def cases(recipes: bool):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipes", action="store_true")
+    parser.add_argument("--layers", type=int, default=1, help="the grid's depth (compiled whole, no extrapolation)")
     args = parser.parse_args()
-    for name, arch, setup, topology, hosts in cases(args.recipes):
+    for name, arch, setup, topology, hosts in cases(args.recipes, args.layers):
         started = time.perf_counter()
         got = xla.xla_peak(arch, setup, 4, None, xla.tpu_devices(topology, hosts))
         est = estimate_memory(arch, setup.replace(backend="tpu")).peak

@@ -105,13 +105,15 @@ def test_qwen_configs_come_from_the_checkpoint():
 
 
 def _matmul_dtypes(fn, *args) -> set:
-    """The floating-point operand dtypes of every matmul in `fn`'s program (nested jaxprs included)."""
+    """The operand dtypes of every matmul over activations (batch x length x ...) in `fn`'s program, nested
+    jaxprs included: the projections, attention and head; not RoPE's float32 positions x frequencies."""
     import jax
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "dot_general":
-                yield from (str(v.aval.dtype) for v in eqn.invars if "float" in str(v.aval.dtype))
+                if max(len(v.aval.shape) for v in eqn.invars) >= 3:
+                    yield from (str(v.aval.dtype) for v in eqn.invars if "int" not in str(v.aval.dtype))
             for param in eqn.params.values():
                 for sub in param if isinstance(param, (list, tuple)) else [param]:
                     inner = getattr(sub, "jaxpr", sub)
@@ -123,8 +125,8 @@ def _matmul_dtypes(fn, *args) -> set:
 
 def test_qwen_computes_in_the_runs_compute_dtype(tmp_path):
     """Tunix's Qwen casts weights and activations to its config's dtype (float32 unless set): with
-    `sft.compute_dtype: bfloat16` over float32 weights, every matmul and the logits are bf16; without,
-    float32, as the parity tests above check against transformers."""
+    `sft.compute_dtype: bfloat16` over float32 weights, every matmul (projections, attention, the head)
+    is bf16; without, float32, as the parity tests above check against transformers."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -145,4 +147,4 @@ def test_qwen_computes_in_the_runs_compute_dtype(tmp_path):
             return nnx.merge(graph, state)(tokens, positions, None, attention)[0]
 
         assert _matmul_dtypes(forward, state) == {expected}, compute
-        assert str(forward(state).dtype) == expected
+        assert str(forward(state).dtype) == "float32"  # Tunix's Qwen returns its logits upcast, either way

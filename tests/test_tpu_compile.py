@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tunix_pipeline.config import HardwareProfile, ModelParams, PlanParams, RuntimeParams, SftParams, TokenizeParams
-from tunix_pipeline.planning import DoesNotFit, build_plan, markdown, xla
+from tunix_pipeline.planning import DoesNotFit, TrainSetup, build_plan, estimate_memory, from_hf_config, markdown, xla
 
 from .conftest import ROOT
 
@@ -86,3 +86,23 @@ def test_a_step_over_the_chips_memory_is_refused_by_xla_tpu_and_stops_sft():
     checked = with_xla_check(result, ModelParams(), plan)
     assert checked.status == "over" and checked.xla["out_of_memory"] and checked.xla["xla_gib"] > 16
     assert "XLA:TPU refuses the train step for v5e:2x4" in markdown(checked)
+
+
+# ---------------------------------------------------------------- the estimate against XLA:TPU
+GEMMA_2B = from_hf_config(PLAN.architectures["google/gemma-2b"], "google/gemma-2b")
+GRID = [(batch, length, remat) for remat in ("none", "decoder") for length in (512, 1024) for batch in (1, 2, 4)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch, length, remat", GRID, ids=[f"{b}x{n}-{r}" for b, n, r in GRID])
+def test_the_estimate_is_within_10_percent_of_xla_tpu_for_gemma_2b(batch, length, remat):
+    """Gemma-2B's full bf16 step on a v5e 2x4 (fsdp 8; the loss unchunked, its 256k-word logits whole):
+    the estimate of the very program XLA:TPU compiles, both one layer deep (one compile, ~20-40 s here);
+    the recipes' tests check the 18-layer extrapolation. `benchmarks/tpu_memory.py` prints this grid."""
+    arch = GEMMA_2B.with_layers(1)
+    setup = TrainSetup(per_device_batch=batch, seq_len=length, fsdp=8, param_dtype="bfloat16", remat=remat)
+    compiled = xla.compile_step(arch, setup, devices=xla.tpu_devices("v5e:2x4"))
+    estimate = estimate_memory(arch, setup).peak
+    print(f"{batch} x {length}, remat {remat}: XLA:TPU {compiled['peak'] / 1e9:.2f} GB, estimate {estimate / 1e9:.2f} GB "
+          f"({estimate / compiled['peak'] - 1:+.1%}), compiled in {compiled['seconds']:.0f} s")
+    assert abs(estimate / compiled["peak"] - 1) < 0.10

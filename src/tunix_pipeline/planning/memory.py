@@ -175,7 +175,7 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
     per device, as XLA:TPU keeps them (its buffer assignment for Gemma-2B, Qwen2.5-0.5B and the 7M
     pod model's steps on v5e and v4 topologies; `planning.xla`)."""
     c, tp = s.c_bytes, s.tp
-    a = 4 if arch.float32_activations else c  # the activations' bytes
+    a = c  # the activations' bytes: every family computes in the compute dtype (Qwen: `run_config`)
     d, f, length = arch.hidden_size, arch.intermediate_size, s.seq_len
     tokens = s.per_device_batch * length  # rows per data-parallel device; tp splits features and heads
     # a layer's activations per token: the gated MLP's gate and up projections and their product
@@ -193,10 +193,10 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
     one_layer = tokens * ((3 * f + 4 * d) * a + per_head) / tp
     # with fsdp, the backward's matmuls reuse the forward's all-gather of a layer's weights (remat
     # too: the gather moves ahead of the barrier that guards the recomputation), so every layer
-    # keeps its weights gathered until its backward (Qwen: also their float32 cast)
+    # keeps its weights gathered until its backward
     gathered = 0.0
     if s.fsdp > 1:
-        gathered = arch.layer_matrix_params / tp * ((c if s.mode == "full" else frozen_bytes) + (4 if a > c else 0))
+        gathered = arch.layer_matrix_params / tp * (c if s.mode == "full" else frozen_bytes)
     if s.remat == "none":
         activations = arch.num_layers * (one_layer + gathered)
     else:  # each block's input only; a layer's backward recomputes its activations after the loss
@@ -210,11 +210,14 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
     gradient_head = head if s.fsdp > 1 and s.mode == "full" else 0.0
     logits = tokens * arch.vocab_size * a
     if not s.loss_chunk:
-        # forward: the logits, their float32 upcast (none when the model returns float32) and the
-        # float32 exponentials the log-sum-exp keeps for its backward; backward: the logits'
-        # gradient beside the head's gradient
-        f32 = tokens * arch.vocab_size * 4 * (1 if a == 4 else 2)
-        loss = head + max(logits + f32, gradient_head + logits)
+        # XLA:TPU's buffer assignment (Gemma-2B, one layer, 1 x 512 to 4 x 1024 tokens a chip) holds the
+        # float32 logits (the upcast; the log-sum-exp's exponentials reuse it) and either the head's whole
+        # gradient beside one copy of the logits (small logits: 1 x 512) or, the head's gradient coming
+        # after them, two copies (the logits and their gradient: 4 x 1024); the estimate takes the larger.
+        # The head's gradient, reduce-scattered to its shard, then stays until the update
+        f32 = tokens * arch.vocab_size * 4
+        shard = gradient_head / (s.fsdp * tp)
+        loss = head + f32 + max(gradient_head + logits, 2 * logits) + shard
     else:
         # backward of the chunked loss: the logits (the chunks are recomputed from them), their
         # gradient assembled chunk by chunk, and one chunk's float32 softmax with its gradient
