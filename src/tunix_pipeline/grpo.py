@@ -43,6 +43,13 @@ class GrpoError(UserError, ValueError):
 
 
 # ---------------------------------------------------------------- data
+def prompt_pool(rows: pd.DataFrame, max_prompts: int | None, seed: int) -> pd.DataFrame:
+    """A seeded sample of `max_prompts` rows (all of them when None or when there are no more)."""
+    if max_prompts is None or len(rows) <= max_prompts:
+        return rows
+    return rows.sample(n=max_prompts, random_state=seed).reset_index(drop=True)
+
+
 class PromptFeed:
     """Seeded epochs of full prompt batches; batch `i` is the same in every run (resume replays the order).
 
@@ -118,9 +125,11 @@ def train_grpo(
     from tunix_pipeline.runtime import BATCH_AXES, data_parallel_size
 
     sequences = params.batch_size * params.num_generations
-    if sequences % data_parallel_size(mesh):
+    micro = (params.micro_batch_size or params.batch_size) * params.num_generations
+    if micro % data_parallel_size(mesh):
+        what = "grpo.micro_batch_size" if params.micro_batch_size else "grpo.batch_size"
         raise GrpoError(
-            f"grpo.batch_size x grpo.num_generations = {sequences} completions per step must divide over the "
+            f"{what} x grpo.num_generations = {micro} completions at a time must divide over the "
             f"{data_parallel_size(mesh)} data-parallel devices of the mesh {dict(mesh.shape)}"
         )
     rewards = RewardSet(params.rewards)
@@ -129,6 +138,7 @@ def train_grpo(
         raise GrpoError(
             f"no training prompt fits grpo.max_prompt_length={params.max_prompt_length} tokens; raise it"
         )
+    rows = prompt_pool(rows, params.max_prompts, params.seed)
 
     root = storage_path(params.checkpoint_dir, "grpo.checkpoint_dir")  # a gs:// URI reaches Orbax as it is
     options = checkpoints.logger_options(root, metrics_backends)
@@ -157,6 +167,11 @@ def train_grpo(
             metrics_logging_options=options,
             data_sharding_axis=BATCH_AXES,
             pbar_description="grpo",
+            # micro-batches for the log-probs and the gradient (accumulated: one update a step); generation
+            # keeps no activations, so it samples the whole batch at once, the same completions as unsplit
+            mini_batch_size=params.batch_size if params.micro_batch_size else None,
+            train_micro_batch_size=params.micro_batch_size,
+            rollout_micro_batch_size=params.batch_size if params.micro_batch_size else None,
         ),
         rollout_config=rollout,
     )
