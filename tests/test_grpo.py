@@ -67,6 +67,18 @@ def test_prompt_feed_is_seeded_numpy_and_moves_the_sampling_seed(formatted):
         grpo.PromptFeed(formatted, batch_size=20, seed=0)
 
 
+def test_max_prompts_is_a_seeded_pool_the_feed_cycles_over(formatted):
+    pool = grpo.prompt_pool(formatted, 4, seed=0)
+    assert len(pool) == 4 and set(pool["id"]) <= set(formatted["id"])
+    assert list(grpo.prompt_pool(formatted, 4, seed=0)["id"]) == list(pool["id"])  # same seed, same pool
+    assert list(grpo.prompt_pool(formatted, 4, seed=1)["id"]) != list(pool["id"])
+    assert grpo.prompt_pool(formatted, None, seed=0) is formatted and grpo.prompt_pool(formatted, 99, 0) is formatted
+    batches = list(itertools.islice(grpo.PromptFeed(pool, batch_size=2, seed=0), 6))  # 3 epochs of 2 batches
+    assert {i for b in batches for i in b["id"]} == set(pool["id"])
+    with pytest.raises(ValueError, match=r"max_prompts \(1\) cannot fill one batch of batch_size \(2\)"):
+        GrpoParams(max_steps=2, batch_size=2, max_prompts=1)
+
+
 def test_prompts_that_do_not_fit_are_skipped_and_counted(formatted, tokenizer):
     long = formatted.copy()
     long.loc[0, "prompt"] += " apples" * 100
@@ -99,8 +111,12 @@ def test_frozen_copy_shares_arrays_until_the_model_changes(tiny_model_dir):
 
 
 def test_batch_must_divide_over_the_data_devices(tiny_model_dir, tokenizer, formatted, tmp_path):
-    with pytest.raises(grpo.GrpoError, match=r"= 6 completions per step must divide over the 4 data-parallel"):
+    with pytest.raises(grpo.GrpoError, match=r"= 6 completions at a time must divide over the 4 data-parallel"):
         grpo.train_grpo(None, tokenizer, formatted, _params(tmp_path, batch_size=3), make_mesh(MESH))
+    with pytest.raises(grpo.GrpoError, match=r"grpo.micro_batch_size x grpo.num_generations = 2 completions at a"):
+        grpo.train_grpo(None, tokenizer, formatted, _params(tmp_path, micro_batch_size=1), make_mesh(MESH))
+    with pytest.raises(ValueError, match=r"micro_batch_size \(3\) must divide batch_size \(4\)"):
+        _params(tmp_path, batch_size=4, micro_batch_size=3)
     with pytest.raises(grpo.GrpoError, match="no training prompt fits grpo.max_prompt_length=4"):
         grpo.train_grpo(None, tokenizer, formatted, _params(tmp_path, max_prompt_length=4), make_mesh(MESH))
 
@@ -168,13 +184,44 @@ def test_grpo_with_lora_trains_only_adapters_without_a_reference(tiny_model_dir,
     model, _ = load_model(tiny_model_dir, mesh, "float32")
     model = apply_lora(model, LoraParams(rank=2, alpha=4.0), mesh)
     base, adapters = _weights(model), _weights(model, nnx.LoRAParam)
-    params = _params(tmp_path, loss_variant="dr-grpo", beta=0.0, max_steps=1, checkpoint_every=1)
+    params = _params(tmp_path, loss_variant="dr-grpo", beta=0.0, max_steps=1, checkpoint_every=1, max_prompts=2)
     result = grpo.train_grpo(model, tokenizer, formatted, params, mesh)
-    assert result["latest_step"] == 1 and not result["reference_model"]
+    assert result["latest_step"] == 1 and not result["reference_model"] and result["prompts"] == 2
     assert result["history"][0]["kl"] is None  # no KL without a reference
     new_base, new_adapters = _weights(model), _weights(model, nnx.LoRAParam)
     assert all(np.array_equal(base[k], new_base[k]) for k in base if k not in adapters)
     assert any(not np.allclose(adapters[k], new_adapters[k]) for k in adapters)  # moved by ~lr, far past 1e-5
+
+
+def test_micro_batches_make_the_same_step_as_the_whole_batch(tiny_model_dir, tokenizer, formatted, tmp_path):
+    """4 prompts x 2 completions: log-probs and gradients over micro-batches of 2 prompts, accumulated,
+    against all 8 completions at once. Generation runs the whole batch either way (same completions)."""
+    import orbax.checkpoint as ocp
+
+    from tunix_pipeline.models import load_model
+
+    mesh, runs = make_mesh(MESH), {}
+    for name, micro in (("whole", None), ("micro", 2)):
+        model, _ = load_model(tiny_model_dir, mesh, "float32")
+        params = _params(tmp_path / name, batch_size=4, max_steps=1, checkpoint_every=1, micro_batch_size=micro)
+        history = grpo.train_grpo(model, tokenizer, formatted, params, mesh)["history"]
+        saved = ocp.PyTreeCheckpointer().restore(str(tmp_path / name / "grpo" / "actor" / "1" / "optimizer_state"))
+        state = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(saved)[0]}
+        # Adam's first moment after one step is 0.1 x the (clipped) gradient of the step's loss
+        mu = {k.split("['mu']")[1]: v for k, v in state.items() if "['mu']" in k}
+        runs[name] = history[0], mu, state
+
+    (whole, g_whole, _), (split, g_split, state) = runs["whole"], runs["micro"]
+    assert state["['opt_state']['gradient_step']['value']"] == 1  # optax.MultiSteps: 2 micro-batches, 1 update
+    assert {k: whole[k] for k in whole if k != "kl"} == {k: split[k] for k in split if k != "kl"}  # same samples
+    # The same sums in another order: float32 rounds each of the <= n = 8 completions x 40 positions terms of
+    # a gradient entry by u = 2^-24, so the two differ by at most ~n * u of the tensor's largest entry.
+    # KL is 0 at the first step (policy = reference) up to the rounding of two log-softmaxes (~u each).
+    tolerance = 8 * 40 * 2.0**-24
+    assert whole["kl"] == pytest.approx(split["kl"], abs=1e-6)
+    assert set(g_whole) == set(g_split) and any(np.abs(g).max() > 0 for g in g_whole.values())
+    for key, g in g_whole.items():
+        assert np.abs(g_split[key] - g).max() <= tolerance * np.abs(g).max(), key
 
 
 def test_reward_trend_needs_a_rising_slope_and_a_higher_last_third():

@@ -43,6 +43,13 @@ class GrpoError(UserError, ValueError):
 
 
 # ---------------------------------------------------------------- data
+def prompt_pool(rows: pd.DataFrame, max_prompts: int | None, seed: int) -> pd.DataFrame:
+    """A seeded sample of `max_prompts` rows (all of them when None or when there are no more)."""
+    if max_prompts is None or len(rows) <= max_prompts:
+        return rows
+    return rows.sample(n=max_prompts, random_state=seed).reset_index(drop=True)
+
+
 class PromptFeed:
     """Seeded epochs of full prompt batches; batch `i` is the same in every run (resume replays the order).
 
@@ -163,13 +170,15 @@ def train_grpo(
 
 
 def _training_prompts(train_formatted: pd.DataFrame, tokenizer, params: GrpoParams, mesh) -> tuple[pd.DataFrame, int]:
-    """(the prompts that fit `max_prompt_length`, how many did not); refuses a batch that does not divide the mesh."""
+    """(the prompts that fit `max_prompt_length`, at most `max_prompts` of them; how many did not fit); refuses a
+    (micro-)batch that does not divide the mesh."""
     from tunix_pipeline.runtime import data_parallel_size
 
-    sequences = params.batch_size * params.num_generations
-    if sequences % data_parallel_size(mesh):
+    micro = (params.micro_batch_size or params.batch_size) * params.num_generations
+    if micro % data_parallel_size(mesh):
+        what = "grpo.micro_batch_size" if params.micro_batch_size else "grpo.batch_size"
         raise GrpoError(
-            f"grpo.batch_size x grpo.num_generations = {sequences} completions per step must divide over the "
+            f"{what} x grpo.num_generations = {micro} completions at a time must divide over the "
             f"{data_parallel_size(mesh)} data-parallel devices of the mesh {dict(mesh.shape)}"
         )
     rows, too_long = fitting_prompts(train_formatted, tokenizer, params.max_prompt_length)
@@ -177,7 +186,7 @@ def _training_prompts(train_formatted: pd.DataFrame, tokenizer, params: GrpoPara
         raise GrpoError(
             f"no training prompt fits grpo.max_prompt_length={params.max_prompt_length} tokens; raise it"
         )
-    return rows, too_long
+    return prompt_pool(rows, params.max_prompts, params.seed), too_long
 
 
 def _rollout_config(params: GrpoParams, tokenizer):
@@ -218,6 +227,11 @@ def _cluster_config(params: GrpoParams, mesh, root, logging_options, rollout):
             metrics_logging_options=logging_options,
             data_sharding_axis=BATCH_AXES,
             pbar_description="grpo",
+            # micro-batches for the log-probs and the gradient (accumulated: one update a step); generation
+            # keeps no activations, so it samples the whole batch at once, the same completions as unsplit
+            mini_batch_size=params.batch_size if params.micro_batch_size else None,
+            train_micro_batch_size=params.micro_batch_size,
+            rollout_micro_batch_size=params.batch_size if params.micro_batch_size else None,
         ),
         rollout_config=rollout,
     )

@@ -29,7 +29,15 @@ class GrpoParams(Strict):
     loss_variant: Literal["grpo", "dr-grpo", "dapo"] = "grpo"
     max_steps: int = Field(gt=0)
     batch_size: int = Field(2, gt=0, description="prompts per step (x num_generations completions)")
+    # a small fixed pool seen in epochs: later steps revisit earlier prompts, so the reward's trend
+    # is the policy's and not which prompts a step drew
+    max_prompts: int | None = Field(None, gt=0, description="train on a seeded sample of this many prompts; null: all")
     num_generations: int = Field(4, ge=2, description="completions per prompt (G)")
+    # Tunix's micro-batches: generation, log-probs and gradient accumulation over this many prompts at
+    # a time, one optimizer update per step, so memory follows the micro-batch, not the group size
+    micro_batch_size: int | None = Field(
+        None, gt=0, description="prompts per micro-batch (x num_generations completions); null: the whole batch"
+    )
     num_iterations: int = Field(1, ge=1, description="policy updates per batch of rollouts (mu)")
     beta: float = Field(0.04, ge=0, description="KL weight to the frozen SFT reference; 0: no reference model")
     epsilon: float = Field(0.2, gt=0, description="clipping epsilon")
@@ -60,6 +68,13 @@ class GrpoParams(Strict):
     def _consistent(self):
         if self.warmup_steps >= self.max_steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than max_steps ({self.max_steps})")
+        if self.max_prompts is not None and self.max_prompts < self.batch_size:
+            raise ValueError(f"max_prompts ({self.max_prompts}) cannot fill one batch of batch_size ({self.batch_size})")
+        if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"micro_batch_size ({self.micro_batch_size}) must divide batch_size ({self.batch_size}): "
+                "use a divisor of it, or null for the whole batch at once"
+            )
         if self.epsilon_high is not None and self.loss_variant != "dapo":
             raise ValueError("epsilon_high is a dapo setting; set loss_variant: dapo or remove it")
         if self.loss_variant == "dapo" and self.beta != 0:
