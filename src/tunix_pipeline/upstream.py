@@ -185,3 +185,44 @@ def dapo_config(epsilon_high: float, **common):
     config = dapo_learner.DAPOConfig(epsilon_high=epsilon_high, overlong_buffer=None, **common)
     config.beta = 0.0
     return config
+
+
+# ---------------------------------------------------------------- Tunix's models drop their sharding constraints on a CPU host
+SHARD_MODULES = (
+    "tunix.models.gemma.model",
+    "tunix.models.gemma3.model",
+    "tunix.models.llama3.model",
+    "tunix.models.qwen2.model",
+    "tunix.models.qwen3.model",
+)
+
+
+@contextlib.contextmanager
+def accelerator_sharding():
+    """Tunix's `shard(x, spec)` applies its sharding constraint on the CPU too, while this is active (the plan
+    compiles for a TPU topology from a CPU host, and the TPU program must carry the constraints)."""
+    import importlib
+
+    import jax
+    from jax.interpreters import pxla
+
+    def shard(x, spec):
+        mesh = pxla.thread_resources.env.physical_mesh
+        if mesh.empty:
+            return x
+        return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+
+    patched = []
+    for name in SHARD_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "shard"):
+            patched.append((module, module.shard))
+            module.shard = shard
+    try:
+        yield
+    finally:
+        for module, original in patched:
+            module.shard = original

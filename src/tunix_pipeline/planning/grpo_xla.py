@@ -24,7 +24,8 @@ import time
 from tunix_pipeline.config import GrpoParams
 from tunix_pipeline.planning.architecture import Architecture
 from tunix_pipeline.planning.memory import GIB, TrainSetup, estimate_memory
-from tunix_pipeline.planning.xla import abstract, abstract_policy, accelerator_sharding, measure
+from tunix_pipeline.planning.xla import abstract, abstract_policy, measure
+from tunix_pipeline.upstream import accelerator_sharding
 
 
 def _rows(mesh, sequences: int, shape: tuple, dtype):

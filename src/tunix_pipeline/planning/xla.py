@@ -29,7 +29,6 @@ result on stdout) when this process lacks the fake devices.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -40,46 +39,8 @@ import sys
 import time
 
 from tunix_pipeline.planning.architecture import Architecture, PlanError, from_hf_config
+from tunix_pipeline.upstream import accelerator_sharding
 from tunix_pipeline.planning.memory import TrainSetup
-
-SHARD_MODULES = (
-    "tunix.models.gemma.model",
-    "tunix.models.gemma3.model",
-    "tunix.models.llama3.model",
-    "tunix.models.qwen2.model",
-    "tunix.models.qwen3.model",
-)
-
-
-@contextlib.contextmanager
-def accelerator_sharding():
-    """Tunix's `shard(x, spec)` applies its sharding constraint on the CPU too, while this is active."""
-    import importlib
-
-    import jax
-    from jax.interpreters import pxla
-
-    def shard(x, spec):
-        mesh = pxla.thread_resources.env.physical_mesh
-        if mesh.empty:
-            return x
-        return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
-
-    patched = []
-    for name in SHARD_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(module, "shard"):
-            patched.append((module, module.shard))
-            module.shard = shard
-    try:
-        yield
-    finally:
-        for module, original in patched:
-            module.shard = original
-
 
 def _tunix_config(arch: Architecture, layers: int, remat: str, compute_dtype: str | None = None):
     from tunix_pipeline.models.families import family_for
