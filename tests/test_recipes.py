@@ -356,7 +356,7 @@ def test_training_by_epochs_runs_those_steps_and_ends_at_a_barrier(tiny_model_di
     from .test_export import _rows
 
     barriers = []
-    monkeypatch.setattr(training, "_sync", barriers.append)
+    monkeypatch.setattr(training, "barrier", barriers.append)
     rows = _rows(n=16, length=24)  # micro-batches of 4 rows on the fsdp 4 x tp 2 mesh: 4 an epoch
     mesh = runtime.make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
     model, _ = load_model(tiny_model_dir, mesh)
