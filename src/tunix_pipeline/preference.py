@@ -34,7 +34,6 @@ from tunix_pipeline.upstream import REFERENCE_COLUMNS
 
 log = logging.getLogger(__name__)
 METRICS_PREFIX = "preference"
-HISTORY_FILE = "preference_history.json"
 AUX_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "log_probs/chosen",
                "log_probs/rejected")
 
