@@ -1,4 +1,5 @@
-"""Project hooks, one class per concern: credentials, JAX devices and the mesh, the MLflow run, the session ledger.
+"""Project hooks, one class per concern: credentials, whole outputs, JAX devices and the mesh, the MLflow run, the
+session ledger.
 
 Each reads its own sections of the parameters in `after_context_created`. Where two must run in an order
 (the ledger refuses a finished plan before anything starts, and records the MLflow run before it ends),
@@ -58,6 +59,17 @@ class CredentialHooks:
     @hook_impl
     def after_context_created(self, context) -> None:
         export_credentials(context.config_loader)
+
+
+class OutputHooks:
+    """Each output a node is about to write is saved whole or not at all (`upstream.atomic_saves`)."""
+
+    @hook_impl
+    def before_node_run(self, node, catalog) -> None:
+        from tunix_pipeline.upstream import atomic_saves
+
+        for name in node.outputs:
+            atomic_saves(catalog.get(name))  # None: a memory output the runner adds later
 
 
 class RuntimeHooks:

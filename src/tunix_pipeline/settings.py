@@ -4,12 +4,12 @@ from tunix_pipeline import quiet
 
 quiet.install()  # before the imports below and before Kedro builds its config loader: they warn
 
-from tunix_pipeline.hooks import CredentialHooks, RuntimeHooks, SessionHooks, TrackingHooks  # noqa: E402
+from tunix_pipeline.hooks import CredentialHooks, OutputHooks, RuntimeHooks, SessionHooks, TrackingHooks  # noqa: E402
 from tunix_pipeline.sessions import SessionConfigLoader  # noqa: E402
 
 _tracking = TrackingHooks()
 # one per concern; the order between them is set by tryfirst / trylast in hooks.py, not by this tuple
-HOOKS = (CredentialHooks(), RuntimeHooks(), _tracking, SessionHooks(_tracking))
+HOOKS = (CredentialHooks(), OutputHooks(), RuntimeHooks(), _tracking, SessionHooks(_tracking))
 
 # OmegaConfigLoader, plus the training session's parameters (sessions.plan)
 CONFIG_LOADER_CLASS = SessionConfigLoader

@@ -1,14 +1,17 @@
-"""Where we reach into Tunix and JAX: each patch, override or private name, under the heading of its entry in
+"""Where we reach into Tunix, JAX and Kedro: each patch, override or private name, under the heading of its entry in
 `docs/upstream_tunix.md` (what the library does, what we do instead, when this code can go).
 
 Fixes to a model's maths live with the model, in `models/families/`; everything that swaps, wraps or reads
-Tunix's or JAX's internals at run time lives here, so an upgrade is checked in one file.
+Tunix's, JAX's or Kedro's internals at run time lives here, so an upgrade is checked in one file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import shutil
+from pathlib import Path
 
 import jax
 
@@ -226,3 +229,35 @@ def accelerator_sharding():
     finally:
         for module, original in patched:
             module.shard = original
+
+
+# ---------------------------------------------------------------- Kedro's file datasets write in place
+def atomic_saves(dataset) -> None:
+    """Make a local, unversioned Kedro file dataset write to a hidden sibling and rename it into place, so a run
+    killed mid-save leaves the old output or none, never a truncated file that `--only-missing-outputs` would take
+    for a finished one. Other datasets (memory, versioned, object stores, whose uploads land whole) are left as
+    they are; calling it twice is harmless."""
+    if getattr(dataset, "_protocol", None) != "file" or getattr(dataset, "_version", None) or "save" in vars(dataset):
+        return
+    save = dataset.save
+
+    def atomic_save(data) -> None:
+        original = dataset._filepath
+        target = Path(original)
+        partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
+        dataset._filepath = type(original)(partial)  # what the dataset's save writes to (`_get_save_path`)
+        try:
+            save(data)
+            if partial.is_dir() and target.exists():  # a folder output (partitioned parquet, several figures)
+                _remove(target)
+            os.replace(partial, target)
+        finally:
+            dataset._filepath = original
+            if partial.exists():
+                _remove(partial)
+
+    dataset.save = atomic_save
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
