@@ -43,8 +43,6 @@ def setup(tiny_model_dir, tmp_path_factory):
     from tunix_pipeline.models import export_pretrained, load_pretrained
     from tunix_pipeline.runtime import make_mesh
 
-    from .conftest import ROOT
-
     folder = tmp_path_factory.mktemp("harness")
     varied = _redrawn(tiny_model_dir, folder / "varied")
     mesh = make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))

@@ -161,7 +161,7 @@ def _formatted_pairs(tokenizer, n=24, long_every=0):
                              tokenizer.bos_token)
         rows.append({"id": f"r{i}", "prompt": prompt,
                      "completion": f"<reasoning>{i} + 2 = {i + 2}</reasoning><answer>{i + 2}</answer><end_of_turn>",
-                     "rejected": f"<reasoning></reasoning><answer>I do not know</answer><end_of_turn>"})
+                     "rejected": "<reasoning></reasoning><answer>I do not know</answer><end_of_turn>"})
     return pd.DataFrame(rows)
 
 

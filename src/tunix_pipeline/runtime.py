@@ -9,13 +9,16 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from tunix_pipeline.config import RuntimeParams, SftParams
 from tunix_pipeline.errors import UserError
 from tunix_pipeline.pipelines import RUN_GRPO, RUN_PREFERENCE, TRAIN_SFT
+
+if TYPE_CHECKING:  # annotations only; jax is imported where used
+    import jax
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
