@@ -67,6 +67,9 @@ def _good(fmt: str, marker: str, text: str) -> dict:
                          {"role": "assistant", "content": completion}]}
 
 
+ANSWER_COLUMNS = ("answer", "output", "response")
+
+
 def _text_fields(fmt: str) -> list[str]:
     return FORMAT_FIELDS[fmt]["required"] if fmt != "messages" else []
 
@@ -108,7 +111,8 @@ def _bad_row(draw, fmt: str, ftype: str, good: dict, kind: str) -> tuple[object,
         del row[col]
         return row, f"missing_column:{col}"
     if kind == "wrong_type":
-        row[col] = draw(st.sampled_from([0, 2.5, True, {"text": "x"}] + ([] if col == "messages" else [["x"]])))
+        numbers = [] if col in ANSWER_COLUMNS else [0, 2.5]  # an answer column may hold numbers (`51.0` is `51`)
+        row[col] = draw(st.sampled_from(numbers + [True, {"text": "x"}] + ([] if col == "messages" else [["x"]])))
         return row, f"wrong_type:{col}"
     if kind == "lone_surrogate":  # a JSON escape that decodes to no character
         target = row["messages"][1] if fmt == "messages" else row

@@ -32,7 +32,8 @@ def test_committed_sources_in_three_formats():
         )
     )
     assert report["totals"] == {
-        "rows_read": 400, "kept": 400, "dropped": 0, "duplicates": 0, "train_rows": 360, "eval_rows": 40
+        "rows_read": 400, "kept": 400, "dropped": 0, "duplicates": 0, "calculator_annotations_removed": 0,
+        "train_rows": 360, "eval_rows": 40,
     }
     assert set(train["source"]) == {"gsm", "alpaca", "chat"}
     assert not set(train["id"]) & set(evaluation["id"])
@@ -60,19 +61,19 @@ def test_bad_rows_are_skipped_and_reported_with_file_and_line(tmp_path):
             "{not json",
             {"question": "", "answer": "#### 3"},
             {"question": "2+2?"},
-            {"question": "3+3?", "answer": 6},
+            {"question": 6, "answer": "#### 6"},
             {"question": "1+1?", "answer": "1 + 1 = 2\n#### 2"},  # duplicate
         ],
     )
     train, _, report = ingest(_params(SourceParams(name="qa", path=path, format="gsm8k")))
     stats = report["sources"]["qa"]
     assert (stats["rows_read"], stats["kept"], stats["duplicates"], stats["dropped_total"]) == (6, 1, 1, 4)
-    assert stats["dropped"] == {"invalid_json": 1, "empty_field:question": 1, "missing_column:answer": 1, "wrong_type:answer": 1}
+    assert stats["dropped"] == {"invalid_json": 1, "empty_field:question": 1, "missing_column:answer": 1, "wrong_type:question": 1}
     assert stats["dropped_rows"][0] == {
         "location": f"{path}:2", "reason": "invalid_json",
         "message": "invalid JSON (Expecting property name enclosed in double quotes at column 2)",
     }
-    assert stats["dropped_rows"][3]["message"] == "'answer' is a number, expected text"
+    assert stats["dropped_rows"][3]["message"] == "'question' is a number, expected text"
     assert train.iloc[0][["prompt", "reasoning", "answer"]].tolist() == ["1+1?", "1 + 1 = 2", "2"]
 
 

@@ -22,9 +22,10 @@ from collections.abc import Iterator
 
 import pandas as pd
 
-from tunix_pipeline import answers
+from tunix_pipeline import answers, fields
 from tunix_pipeline.config import IngestParams, SourceParams
-from tunix_pipeline.readers import FORMAT_FIELDS, BadRow, DataError, json_type, read_rows, selection
+from tunix_pipeline.fields import BadRow, json_type
+from tunix_pipeline.readers import FORMAT_FIELDS, DataError, read_rows, selection
 
 RECORD_COLUMNS = ["id", "source", "prompt", "messages", "reasoning", "answer"]
 # preference records: reasoning/answer are the chosen answer's, these the rejected one's
@@ -32,8 +33,8 @@ REJECTED_COLUMNS = ["rejected_reasoning", "rejected_answer"]
 MAX_DROPPED_ROWS_IN_REPORT = 10_000  # per source; the counts stay exact beyond it
 
 ROLES = ("system", "user", "assistant")
-_NOT_UTF8 = re.compile("[\ud800-\udfff]")  # undecodable bytes (surrogateescape) or lone surrogates from JSON escapes
 _SLUG_WORD = re.compile(r"[A-Za-z0-9_-]{1,32}")
+_CALCULATOR = re.compile(r"<<[^<>\n]*>>")  # GSM8K's calculator annotation: `48/2 = <<48/2=24>>24`
 
 
 def _digest_row(digest, row: dict | None, unreadable: BadRow | None) -> None:
@@ -50,25 +51,6 @@ def _plain(value):
 
 
 # ---------------------------------------------------------------- mapping
-def _text(row: dict, column: str, required: bool) -> str:
-    if column not in row:
-        if required:
-            raise BadRow(f"missing_column:{column}", f"missing column '{column}'")
-        return ""
-    value = row[column]
-    if value is None or (isinstance(value, float) and value != value):  # None or NaN
-        if required:
-            raise BadRow(f"null_field:{column}", f"'{column}' is null")
-        return ""
-    if not isinstance(value, str):
-        raise BadRow(f"wrong_type:{column}", f"'{column}' is {json_type(value)}, expected text")
-    if _NOT_UTF8.search(value):
-        raise BadRow(f"not_utf8:{column}", f"'{column}' holds bytes that are not UTF-8 text")
-    if required and not value.strip():
-        raise BadRow(f"empty_field:{column}", f"'{column}' is empty")
-    return value.strip()
-
-
 def split_completion(text: str) -> tuple[str, str]:
     """(reasoning, answer) from a completion: tagged, GSM8K `#### x`, or plain answer."""
     tagged = answers.parse(text)
@@ -88,39 +70,39 @@ def split_completion(text: str) -> tuple[str, str]:
 
 
 def _map_row(row: dict, source: SourceParams) -> dict:
-    fields = FORMAT_FIELDS[source.format]
-    col = {f: source.columns.get(f, f) for f in fields["required"] + fields["optional"]}
+    wanted = FORMAT_FIELDS[source.format]
+    col = {f: source.columns.get(f, f) for f in wanted["required"] + wanted["optional"]}
     prompt, messages = None, None
     if source.format == "gsm8k":
-        prompt = _text(row, col["question"], True)
-        reasoning, answer = split_completion(_text(row, col["answer"], True))
+        prompt = fields.text(row, col["question"], True)
+        reasoning, answer = split_completion(fields.text(row, col["answer"], True, numeric=True))
     elif source.format in ("alpaca", "prompt_response"):
         if source.format == "alpaca":
-            prompt = _text(row, col["instruction"], True)
-            extra = _text(row, col["input"], False)
+            prompt = fields.text(row, col["instruction"], True)
+            extra = fields.text(row, col["input"], False)
             prompt = f"{prompt}\n\n{extra}" if extra else prompt
-            completion = _text(row, col["output"], True)
+            completion = fields.text(row, col["output"], True, numeric=True)
         else:
-            prompt = _text(row, col["prompt"], True)
-            completion = _text(row, col["response"], True)
+            prompt = fields.text(row, col["prompt"], True)
+            completion = fields.text(row, col["response"], True, numeric=True)
         reasoning, answer = split_completion(completion)
-        reasoning = _text(row, col["reasoning"], False) or reasoning
+        reasoning = fields.text(row, col["reasoning"], False) or reasoning
     elif source.format == "preference":
         return _map_pair(row, col)
     else:
         messages, reasoning, answer = _map_messages(row, col["messages"])
     if not answer:
         raise BadRow("empty_answer", "the answer is empty")
-    return {"prompt": prompt, "messages": messages, "reasoning": reasoning, "answer": answer}
+    return {"prompt": prompt, "messages": messages, "reasoning": reasoning, "answer": fields.plain_number(answer)}
 
 
 def _map_pair(row: dict, col: dict) -> dict:
     """A preference row: `prompt` with chosen/rejected texts, or chosen/rejected chats sharing their prompt turns."""
     chosen, rejected = row.get(col["chosen"]), row.get(col["rejected"])
     if isinstance(chosen, str) or isinstance(rejected, str) or chosen is None or rejected is None:
-        chosen_reasoning, chosen_answer = split_completion(_text(row, col["chosen"], True))
-        rejected_reasoning, rejected_answer = split_completion(_text(row, col["rejected"], True))
-        prompt, messages = _text(row, col["prompt"], True), None
+        chosen_reasoning, chosen_answer = split_completion(fields.text(row, col["chosen"], True))
+        rejected_reasoning, rejected_answer = split_completion(fields.text(row, col["rejected"], True))
+        prompt, messages = fields.text(row, col["prompt"], True), None
     else:  # the UltraFeedback-binarized shape: each side is the whole chat, prompt turns included
         messages, chosen_reasoning, chosen_answer = _map_messages(row, col["chosen"])
         rejected_turns, rejected_reasoning, rejected_answer = _map_messages(row, col["rejected"])
@@ -136,9 +118,7 @@ def _map_pair(row: dict, col: dict) -> dict:
 
 
 def _map_messages(row: dict, column: str) -> tuple[list[dict], str, str]:
-    if column not in row:
-        raise BadRow(f"missing_column:{column}", f"missing column '{column}'")
-    value = row[column]
+    value = fields.lookup(row, column)
     if hasattr(value, "tolist"):  # numpy arrays from Parquet
         value = value.tolist()
     if value is None:
@@ -159,7 +139,7 @@ def _map_messages(row: dict, column: str) -> tuple[list[dict], str, str]:
                 f"unknown_role:{role}" if named else "unknown_role",
                 f"message {i} has role {role!r}; roles are {', '.join(ROLES)}",
             )
-        messages.append({"role": role, "content": _text(m, "content", False)})
+        messages.append({"role": role, "content": fields.text(m, "content", False)})
     if messages[-1]["role"] != "assistant":
         raise BadRow("no_assistant_turn", f"the last message is the {messages[-1]['role']}'s, not the assistant's answer")
     if not any(m["role"] == "user" for m in messages[:-1]):
@@ -210,6 +190,8 @@ def ingest(params: IngestParams) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
         "kept": sum(s["kept"] for s in report["sources"].values()),
         "dropped": sum(s["dropped_total"] for s in report["sources"].values()),
         "duplicates": sum(s["duplicates"] for s in report["sources"].values()),
+        "calculator_annotations_removed": sum(
+            s.get("calculator_annotations", {}).get("removed", 0) for s in report["sources"].values()),
         "train_rows": len(train),
         "eval_rows": len(evaluation),
     }
@@ -220,6 +202,8 @@ def ingest(params: IngestParams) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
 def _source_records(source: SourceParams, params: IngestParams, seen: set) -> tuple[list[dict], dict]:
     """One source's records (not in `seen`, which grows) and its counts: rows read, duplicates, drops by reason."""
     stats = {"rows_read": 0, "kept": 0, "duplicates": 0, "dropped": Counter(), "dropped_rows": []}
+    if source.strips_calculator_annotations:
+        stats["calculator_annotations"] = {"rows": 0, "removed": 0}  # in the kept rows
     records, digest = [], hashlib.sha256()
     # islice asks for no row past max_rows: a stream opens no shard it does not need
     for location, row, unreadable in itertools.islice(read_rows(source, params.seed), source.max_rows):
@@ -239,6 +223,7 @@ def _source_records(source: SourceParams, params: IngestParams, seen: set) -> tu
             if len(stats["dropped_rows"]) < MAX_DROPPED_ROWS_IN_REPORT:
                 stats["dropped_rows"].append({"location": location, "reason": bad.reason, "message": str(bad)})
             continue
+        stripped = _strip_calculator_annotations(record) if source.strips_calculator_annotations else 0
         record["id"] = _record_id(record)
         record["source"] = source.name
         if params.dedup and record["id"] in seen:
@@ -246,8 +231,21 @@ def _source_records(source: SourceParams, params: IngestParams, seen: set) -> tu
             continue
         seen.add(record["id"])
         records.append(record)
+        if stripped:
+            stats["calculator_annotations"]["rows"] += 1
+            stats["calculator_annotations"]["removed"] += stripped
     stats["read"] = {**selection(source, params.seed), "sha256": digest.hexdigest()}
     return records, stats
+
+
+def _strip_calculator_annotations(record: dict) -> int:
+    """Removes GSM8K's `<<48/2=24>>` from the record's reasoning texts (the result after it stays); how many."""
+    removed = 0
+    for key in ("reasoning", "rejected_reasoning"):
+        if record.get(key):
+            record[key], n = _CALCULATOR.subn("", record[key])
+            removed += n
+    return removed
 
 
 def _no_rows(source: SourceParams, stats: dict) -> str:

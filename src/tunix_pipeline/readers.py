@@ -16,6 +16,7 @@ import pandas as pd
 
 from tunix_pipeline.config import SourceParams
 from tunix_pipeline.errors import UserError
+from tunix_pipeline.fields import BadRow, json_type, paths, top_column
 
 # Canonical fields each format reads (optional ones may be absent or empty).
 FORMAT_FIELDS = {
@@ -26,20 +27,10 @@ FORMAT_FIELDS = {
     # chosen/rejected: answer texts beside a `prompt`, or chat lists that include the prompt turns
     "preference": {"required": ["chosen", "rejected"], "optional": ["prompt"]},
 }
-_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
-               float: "a number", type(None): "null"}
 
 
 class DataError(UserError, ValueError):
     """Bad input data: the message names the source, the location and the fix."""
-
-
-class BadRow(ValueError):
-    """One row that cannot be mapped: `reason` is a stable slug (a metric name), the message a sentence."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
 
 
 # ---------------------------------------------------------------- reading
@@ -266,22 +257,26 @@ def selection(source: SourceParams, seed: int) -> dict:
 
 
 def check_columns(source: SourceParams, where, columns: list[str]) -> None:
-    """A file with a schema (CSV header, Parquet, hub dataset) must hold the format's required columns."""
+    """A file with a schema (CSV header, Parquet, hub dataset) must hold the columns the format's required fields
+    read (a nested `a.b` field needs its column `a`; a template each column it names)."""
     required = FORMAT_FIELDS[source.format]["required"]
-    missing = [field for field in required if source.columns.get(field, field) not in columns]
+    specs = {field: source.columns.get(field, field) for field in required}
+    missing = {field: [c for c in map(lambda p: top_column(p, columns), paths(spec)) if c not in columns]
+               for field, spec in specs.items()}
+    missing = {field: absent for field, absent in missing.items() if absent}
     if not missing:
         return
-    # a mapping that would fix it: the missing fields onto the columns nothing reads yet, in order
-    spare = [c for c in columns if c not in source.columns.values() and c not in FORMAT_FIELDS[source.format]["required"]]
-    mapping = {**source.columns, **{field: spare.pop(0) if spare else "<column>" for field in missing}}
     shown = ", ".join(map(repr, columns[:20])) + (f" and {len(columns) - 20} more" if len(columns) > 20 else "")
+    absent = ", ".join(repr(c) for field in missing for c in missing[field])
+    problem = f"has no column(s) {absent} for format '{source.format}'; its columns are {shown}. "
+    if any(field in source.columns for field in missing):
+        raise _file_error(source, where, problem + "Fix `columns:` in this source's config: "
+                          + ", ".join(f"{f}: {specs[f]!r}" for f in missing if f in source.columns) + ".")
+    # a mapping that would fix it: the missing fields onto the columns nothing reads yet, in order
+    spare = [c for c in columns if c not in source.columns.values() and c not in required]
+    mapping = {**source.columns, **{field: spare.pop(0) if spare else "<column>" for field in missing}}
     raise _file_error(
-        source, where,
-        f"has no column(s) {', '.join(repr(source.columns.get(f, f)) for f in missing)} for format '{source.format}'; "
-        f"its columns are {shown}. Map them in this source's config, e.g. "
+        source, where, problem + "Map them in this source's config, e.g. "
         f"`columns: {{{', '.join(f'{k}: {json.dumps(v)}' for k, v in mapping.items())}}}`"
     )
 
-
-def json_type(value) -> str:
-    return _JSON_TYPES.get(type(value), type(value).__name__)

@@ -27,8 +27,12 @@ class SourceParams(Strict):
     path: str | None = Field(None, description="local .jsonl/.json/.parquet/.csv file")
     hf: HubDataset | None = None
     format: Literal["gsm8k", "alpaca", "messages", "prompt_response", "preference"]
-    # canonical field -> column name in this source, e.g. {question: problem}
+    # canonical field -> where it is in this source: a column (`problem`), a nested field (`data.problem`), or a
+    # template over several (`"{Body} {Question}"`)
     columns: dict[str, str] = {}
+    # GSM8K's calculator annotations (`48/2 = <<48/2=24>>24` -> `48/2 = 24`) out of the reasoning; null: on for
+    # `format: gsm8k`, off for the others
+    strip_calculator_annotations: bool | None = None
     weight: float = Field(1.0, gt=0, description="multiplies this source's share of train rows")
     max_rows: int | None = Field(None, gt=0)
 
@@ -36,12 +40,22 @@ class SourceParams(Strict):
     def _one_location(self):
         if (self.path is None) == (self.hf is None):
             raise ValueError(f"source '{self.name}': set exactly one of `path` or `hf`")
+        for field, spec in self.columns.items():
+            if spec.count("{") != spec.count("}") or "{}" in spec:
+                raise ValueError(f"source '{self.name}': columns.{field} = {spec!r} is not a column, a nested `a.b` field "
+                                 "or a template such as \"{Body} {Question}\" (every `{` closed by `}`, a column in each)")
         if self.hf is not None and self.hf.shuffle_buffer is not None and self.max_rows is None:
             raise ValueError(
                 f"source '{self.name}': hf.shuffle_buffer picks max_rows rows from a stream; set `max_rows`, or remove "
                 "`shuffle_buffer` (a source read whole is shuffled anyway before the train/eval split)"
             )
         return self
+
+    @property
+    def strips_calculator_annotations(self) -> bool:
+        if self.strip_calculator_annotations is None:
+            return self.format == "gsm8k"
+        return self.strip_calculator_annotations
 
 
 class IngestParams(Strict):

@@ -1,0 +1,122 @@
+"""Sources in the shapes users have: the shipped GSM8K with its calculator annotations, one JSON array of records,
+nested fields, a field built from several columns (SVAMP's body + question) and numeric answer columns."""
+
+import json
+
+import pandas as pd
+import pytest
+
+from tunix_pipeline.answers import answers_match
+from tunix_pipeline.config import IngestParams, SourceParams
+from tunix_pipeline.ingest import ingest
+from tunix_pipeline.readers import DataError
+
+from .conftest import ROOT
+
+GSM8K = ROOT / "data" / "01_raw" / "gsm8k"
+
+
+def _ingest(**source):
+    return ingest(IngestParams(sources=[SourceParams(name="src", **source)], eval_fraction=0.0))
+
+
+@pytest.mark.parametrize("strip", [None, False])
+def test_the_shipped_gsm8k_train_split_is_read_whole_and_its_calculator_annotations_are_counted(strip):
+    train, _, report = _ingest(path=str(GSM8K / "train.jsonl"), format="gsm8k", strip_calculator_annotations=strip)
+    source = report["sources"]["src"]
+    assert source["rows_read"] == source["kept"] == len(train) == 7473 and source["dropped_total"] == 0
+    raw = [json.loads(line)["answer"] for line in (GSM8K / "train.jsonl").read_text().splitlines()]
+    annotated = sum("<<" in answer for answer in raw)
+    if strip is None:  # on by default for the gsm8k format
+        assert source["calculator_annotations"] == {"rows": annotated, "removed": sum(a.count("<<") for a in raw)}
+        assert report["totals"]["calculator_annotations_removed"] == source["calculator_annotations"]["removed"]
+        assert not train["reasoning"].str.contains("<<|>>").any()
+        natalia = train[train["prompt"].str.startswith("Natalia sold clips")].iloc[0]
+        assert natalia["reasoning"].startswith("Natalia sold 48/2 = 24 clips in May.") and natalia["answer"] == "72"
+    else:
+        assert "calculator_annotations" not in source and report["totals"]["calculator_annotations_removed"] == 0
+        assert train["reasoning"].str.contains("<<").sum() == annotated > 7000
+
+
+def test_other_formats_keep_annotations_unless_asked(tmp_path):
+    path = tmp_path / "pr.jsonl"
+    path.write_text(json.dumps({"prompt": "48/2?", "response": "48/2 = <<48/2=24>>24\n#### 24"}) + "\n")
+    kept, _, _ = _ingest(path=str(path), format="prompt_response")
+    stripped, _, report = _ingest(path=str(path), format="prompt_response", strip_calculator_annotations=True)
+    assert kept.iloc[0]["reasoning"] == "48/2 = <<48/2=24>>24" and stripped.iloc[0]["reasoning"] == "48/2 = 24"
+    assert report["sources"]["src"]["calculator_annotations"] == {"rows": 1, "removed": 1}
+
+
+SVAMP = [  # SVAMP's shape: the question is Body + Question, the answer a float column
+    {"ID": "chal-1", "Body": "Jack had 8 pens and Mary had 5 pens.", "Question": "How many pens did they have?",
+     "Equation": "( 8.0 + 5.0 )", "Answer": 13.0},
+    {"ID": "chal-2", "Body": "A cake is cut in 4.", "Question": "What share is one piece?", "Equation": "1/4",
+     "Answer": 0.25},
+]
+SVAMP_COLUMNS = {"question": "{Body} {Question}", "answer": "Answer"}
+
+
+@pytest.mark.parametrize("suffix", [".json", ".csv", ".parquet"])
+def test_a_question_built_from_two_columns_and_a_numeric_answer_column(tmp_path, suffix):
+    path = tmp_path / f"svamp{suffix}"
+    if suffix == ".json":
+        path.write_text(json.dumps(SVAMP, indent=2))  # one JSON array of records, as SVAMP ships
+    elif suffix == ".csv":
+        pd.DataFrame(SVAMP).to_csv(path, index=False)  # the float column is written as 13.0
+    else:
+        pd.DataFrame(SVAMP).to_parquet(path)
+    train, _, _ = _ingest(path=str(path), format="gsm8k", columns=SVAMP_COLUMNS)
+    by_id = train.set_index("prompt")
+    jack = by_id.loc["Jack had 8 pens and Mary had 5 pens. How many pens did they have?"]
+    assert jack["answer"] == "13" and jack["reasoning"] == ""
+    assert by_id.loc["A cake is cut in 4. What share is one piece?"]["answer"] == "0.25"
+    assert answers_match("13", jack["answer"], 1e-6)
+
+
+def test_nested_fields_in_json_lines_and_through_datasets(tmp_path):
+    rows = [{"problem": {"text": f"{i} + 1?", "meta": {"level": 1}}, "solution": {"final": i + 1.0, "steps": f"{i} + 1"}}
+            for i in range(4)]
+    path = tmp_path / "nested.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    columns = {"prompt": "problem.text", "response": "solution.final", "reasoning": "solution.steps"}
+    local, _, _ = _ingest(path=str(path), format="prompt_response", columns=columns)
+    hub, _, _ = _ingest(hf={"path": "json", "data_files": str(path), "split": "train"}, format="prompt_response",
+                        columns=columns)
+    for train in (local, hub):
+        assert sorted(train[["prompt", "reasoning", "answer"]].values.tolist()) == [
+            [f"{i} + 1?", f"{i} + 1", str(i + 1)] for i in range(4)]
+
+
+def test_a_column_name_with_a_dot_is_read_as_that_column(tmp_path):
+    path = tmp_path / "dotted.csv"
+    path.write_text("q.text,a\nWhat is 2+2?,4\n")
+    train, _, _ = _ingest(path=str(path), format="prompt_response", columns={"prompt": "q.text", "response": "a"})
+    assert train.iloc[0][["prompt", "answer"]].tolist() == ["What is 2+2?", "4"]
+
+
+def test_a_missing_column_in_a_template_is_named_with_its_source(tmp_path):
+    path = tmp_path / "svamp.csv"
+    pd.DataFrame(SVAMP).to_csv(path, index=False)
+    with pytest.raises(DataError, match=r"source 'src': .*svamp.csv has no column\(s\) 'Problem' .*its columns are "
+                                        r"'ID', 'Body', 'Question', 'Equation', 'Answer'\. Fix `columns:` .*"
+                                        r"question: '\{Body\} \{Problem\}'"):
+        _ingest(path=str(path), format="gsm8k", columns={"question": "{Body} {Problem}", "answer": "Answer"})
+
+
+def test_a_missing_nested_field_drops_the_row_with_its_name(tmp_path):
+    path = tmp_path / "nested.jsonl"
+    path.write_text(json.dumps({"problem": {"text": "1+1?"}, "answer": "#### 2"}) + "\n"
+                    + json.dumps({"problem": {"body": "2+2?"}, "answer": "#### 4"}) + "\n")
+    train, _, report = _ingest(path=str(path), format="gsm8k", columns={"question": "problem.text"})
+    assert len(train) == 1
+    assert report["sources"]["src"]["dropped_rows"] == [
+        {"location": f"{path}:2", "reason": "missing_column:problem.text", "message": "missing column 'problem.text'"}]
+    # no row has the field: the error names the source, the field and the first row without it
+    with pytest.raises(DataError, match=r"'src' \(.*nested.jsonl\): 2 rows read, .*missing_column:problem.title.*"
+                                        r"first: .*nested.jsonl:1: missing column 'problem.title'"):
+        _ingest(path=str(path), format="gsm8k", columns={"question": "problem.title"})
+
+
+def test_a_template_that_does_not_close_is_a_config_error():
+    with pytest.raises(ValueError, match=r"columns.question = '\{Body \{Question\}' is not a column"):
+        SourceParams(name="s", path="x.csv", format="gsm8k", columns={"question": "{Body {Question}"})
