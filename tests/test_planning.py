@@ -200,11 +200,17 @@ def _session(path, env=None, **runtime_params):
 
 
 def test_the_plan_pipeline_writes_the_table_and_logs_it(project):
+    # an earlier tokenize stage's report of this output root (the base length, 128): the plan reads its padding
+    tokenized = {"max_length": 128, "examples_out": 400, "mean_length": 38.4, "padding_efficiency_unpacked": 0.3,
+                 "padding_efficiency_packed": 0.95}
+    (project / "data" / "08_reporting").mkdir(parents=True, exist_ok=True)
+    (project / "data" / "08_reporting" / "tokenize_report.json").write_text(json.dumps({"train": tokenized}))
     with _session(project) as session:
         session.run(pipeline_names=["plan"])
     report = (project / "data" / "08_reporting" / "plan.md").read_text()
     summary = json.loads((project / "data" / "08_reporting" / "plan.json").read_text())
     assert "## Checked against XLA" in report and "## Every hardware profile" in report
+    assert summary["goodput"]["padding_efficiency"] == 0.3 and "padding efficiency 0.30: 70% of each step" in report
     assert summary["status"] == "ok" and abs(summary["xla_check"]["difference"]) < 0.2
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'data' / 'mlflow.db'}")
     run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]
@@ -220,6 +226,11 @@ def test_the_plan_pipeline_plans_tpu_full_offline(project):
     assert summary["model"] == "google/gemma-2b" and summary["hardware"] == "kaggle-tpu-v5e-8"
     assert summary["global_batch"] == 32 and summary["mesh"] == {"data": 1, "fsdp": 8, "tp": 1}
     assert summary["status"] in ("ok", "risky")  # with remat and loss chunks, Gemma-2B full fits 16 GiB chips
+    # no tokenize report in this output root: padding not counted; a row is one example unless packed
+    goodput = summary["goodput"]
+    assert goodput["padding_efficiency"] is None and goodput["padding_note"].startswith("no tokenize report")
+    assert goodput["examples_per_hour"] == (None if goodput["packed"] else summary["samples_per_hour"])
+    assert goodput["session_quote"].endswith("seed 000 estimated ~100K samples in a 9 h session")
 
 
 def test_sft_stops_before_reading_weights_when_the_run_cannot_fit(project, monkeypatch):
@@ -264,8 +275,8 @@ def test_the_preflight_warns_and_goes_on_when_risky(caplog):
     rows = pd.DataFrame({"input_tokens": [[1] * 256] * 4})
     base = {"path": "nowhere"}
     with caplog.at_level(logging.WARNING):
-        passed, summary = check_sft_fits(base, rows, model, sft, RuntimeParams(), TokenizeParams(max_length=256), plan)
+        passed, summary = check_sft_fits(base, rows, None, model, sft, RuntimeParams(), TokenizeParams(max_length=256), plan)
     assert passed is base and summary["status"] == "risky"
     assert "large model on a small GPU" in caplog.text
     off = plan.model_copy(update={"enabled": False})
-    assert check_sft_fits(base, rows, model, sft, RuntimeParams(), TokenizeParams(max_length=256), off)[1] == {"status": "skipped"}
+    assert check_sft_fits(base, rows, None, model, sft, RuntimeParams(), TokenizeParams(max_length=256), off)[1] == {"status": "skipped"}

@@ -60,6 +60,10 @@ def test_packing_fills_rows_and_keeps_examples_apart(tokenizer):
     packed, stats = tokenize_split(data, tokenizer, TokenizeParams(max_length=64, pack=True))
     assert stats["examples_out"] == plain_stats["rows_out"] == 12 and stats["rows_out"] < 12
     assert stats["padding_efficiency"] > 2 * stats["padding_efficiency_unpacked"]
+    # the unpacked run's estimate of packing is what packing then writes (the plan's expected gain)
+    assert plain_stats["padding_efficiency_packed"] == stats["padding_efficiency"] == stats["padding_efficiency_packed"]
+    real = int((stack(plain, "segment_ids") > 0).sum())
+    assert stats["padding_efficiency"] == pytest.approx(real / (stats["rows_out"] * 64))
     segments, positions = stack(packed, "segment_ids"), stack(packed, "positions")
     loss, tokens = stack(packed, "loss_mask"), stack(packed, "input_tokens")
     # every example appears once, whole, with its own positions from 0
@@ -71,3 +75,12 @@ def test_packing_fills_rows_and_keeps_examples_apart(tokenizer):
             where = segments[row] == seg
             assert positions[row][where].tolist() == list(range(where.sum()))
             assert tokens[row][where][0] == tokenizer.bos_token_id
+
+
+def test_the_packing_estimate_of_many_examples_samples_them_within_a_percent():
+    from tunix_pipeline.tokenization import _pack, packed_efficiency
+
+    sizes = np.random.default_rng(0).integers(20, 700, 6000).tolist()  # more than the 4,096 it packs
+    exact = sum(sizes) / (len(_pack(sizes, 1024)) * 1024)
+    estimate = packed_efficiency(sizes, 1024)
+    assert estimate != exact and estimate == pytest.approx(exact, rel=0.01)

@@ -58,7 +58,7 @@ def _preflight(plan, sft, length):
     from tunix_pipeline.pipelines.plan.nodes import check_sft_fits
 
     rows = pd.DataFrame({"input_tokens": [[1] * length] * 4})
-    return check_sft_fits({"path": "nowhere"}, rows, ModelParams(), sft, RuntimeParams(), TokenizeParams(max_length=length), plan)
+    return check_sft_fits({"path": "nowhere"}, rows, None, ModelParams(), sft, RuntimeParams(), TokenizeParams(max_length=length), plan)
 
 
 def test_the_sft_preflight_uses_xla_tpus_figure():

@@ -200,7 +200,8 @@ def test_weight_decay_skips_norms(tmp_path):
 
 @pytest.mark.parametrize("lora, remat", [(True, "none"), (False, "decoder")])
 def test_logged_mfu_is_the_plans_mfu_without_a_hand_set_peak(tiny_model_dir, token_rows, tmp_path, lora, remat):
-    """`train/mfu` = the plan's FLOPs of a step (LoRA: 2 passes, remat: one more) / step time / the profile's peak."""
+    """`train/mfu` = the plan's FLOPs of a step (LoRA: 2 passes, remat: one more) / step time / the profile's peak;
+    `train/useful_mfu` and `train/useful_tokens_per_sec` count only the step's non-padding tokens."""
     import yaml
 
     from tunix_pipeline.config import LoraParams, ModelParams, PlanParams
@@ -223,7 +224,7 @@ def test_logged_mfu_is_the_plans_mfu_without_a_hand_set_peak(tiny_model_dir, tok
 
     jax.monitoring.register_scalar_listener(listen)
     try:
-        train(model, token_rows, token_rows.head(0), sft, mesh, metrics_backends=None, peak_flops_per_device=peak)
+        result = train(model, token_rows, token_rows.head(0), sft, mesh, metrics_backends=None, peak_flops_per_device=peak)
     finally:
         jax.monitoring.unregister_scalar_listener(listen)
     seq_len = len(token_rows["input_tokens"].iloc[0])
@@ -234,6 +235,19 @@ def test_logged_mfu_is_the_plans_mfu_without_a_hand_set_peak(tiny_model_dir, tok
     for step, mfu in logged["mfu"].items():
         # the same float64 operations in another order: a few roundings apart
         assert mfu == pytest.approx(plan_flops / logged["step_time"][step] / (peak * 8), rel=1e-12)
+    # the non-padding tokens of the rows each step was fed, counted from the batches themselves
+    batches = BatchFeed(token_rows, job.global_batch, sft.seed)
+    useful = {step: int((batches.batch(step - 1)["segment_ids"] > 0).sum()) for step in range(1, 4)}
+    slots = job.global_batch * seq_len
+    assert 0 < min(useful.values()) and max(useful.values()) < slots  # these rows are padded
+    for step, seconds in logged["step_time"].items():
+        assert logged["useful_tokens_per_sec"][step] == pytest.approx(useful[step] / seconds, rel=1e-12)
+        assert logged["padding_fraction"][step] == pytest.approx(1 - useful[step] / slots, rel=1e-12)
+        assert logged["useful_mfu"][step] == pytest.approx(logged["mfu"][step] * useful[step] / slots, rel=1e-12)
+    # the sft result: medians of the logged rates, and the padding share of all three steps
+    assert result["median_useful_mfu"] == pytest.approx(float(np.median(list(logged["useful_mfu"].values()))))
+    assert result["median_tokens_per_sec"] == pytest.approx(float(np.median(list(logged["tokens_per_sec"].values()))))
+    assert result["padding_fraction"] == pytest.approx(1 - sum(useful.values()) / (3 * slots))
 
 
 def test_eval_loss_does_not_depend_on_batch_padding(tiny_model_dir, token_rows):

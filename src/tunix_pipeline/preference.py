@@ -249,17 +249,17 @@ def train_preference(
     elif dpo:
         reference = frozen_copy(model)
     feed = training.BatchFeed(train_pairs, batch_size, params.seed, runtime.process_rows(mesh, batch_size),
-                              arrays=arrays).with_budget(params.time_budget_hours, model)
-    seq_len = params.max_prompt_length + params.max_response_length
-    tokens = 2 * batch_size * seq_len  # chosen and rejected rows
-    flops = tokens * train_flops_per_token(model, seq_len)
+                              arrays=arrays, row_tokens=pair_token_counts(arrays)).with_budget(params.time_budget_hours, model)
+    seq_len = params.max_prompt_length + params.max_response_length  # a pair's two sequences: its prompt and an answer
+    throughput = throughput_hooks(feed.step_tokens, train_flops_per_token(model, seq_len), peak_flops_per_device,
+                                  mesh.devices.size)
     with upstream.scalar_listeners_scope(), mesh:
         trainer = _trainer(model, reference, params, ckpt_dir, checkpoints.logger_options(ckpt_dir, metrics_backends))
         trainer.data_mesh = mesh
         trainer.with_loss_fn(loss_fn_for(params), has_aux=True)
         trainer.with_gen_model_input_fn(lambda example: {"train_example": example})
         upstream.log_aux_metrics(trainer, AUX_METRICS)
-        trainer.with_training_hooks(throughput_hooks(tokens, flops, peak_flops_per_device, mesh.devices.size))
+        trainer.with_training_hooks(throughput)
         trainer.with_data_hooks(feed)
         run = training.fit(trainer, feed, ckpt_dir, params.method, params.max_steps)
         curves = {name: checkpoints.metric_history(trainer.metrics_logger, METRICS_PREFIX, name) for name in AUX_METRICS}
@@ -283,6 +283,13 @@ def train_preference(
         "last_loss": history[-1]["loss"] if history else None,
         "history": history,
     }
+
+
+def pair_token_counts(arrays: dict) -> tuple[int, np.ndarray]:
+    """(token slots of a pair, its non-padding tokens): a pair is two sequences, its prompt before each answer."""
+    slots = 2 * (arrays["prompt_ids"].shape[1] + arrays["chosen_ids"].shape[1])
+    answers = arrays["chosen_mask"].sum(axis=1) + arrays["rejected_mask"].sum(axis=1)
+    return slots, 2 * arrays["prompt_mask"].sum(axis=1) + answers
 
 
 def _trainer(model, reference, params: PreferenceParams, ckpt_dir, logging_options):

@@ -8,7 +8,8 @@ What we add around the trainer, through its own seams:
   (Tunix itself replays the iterator and skips), each process reads only its
   share, and SIGTERM or the session budget (`StepClock`) end the run with a checkpoint;
 - per-step metrics to MLflow through a Tunix metrics backend, with step time,
-  tokens/s, MFU and device memory (`progress.throughput_hooks`);
+  tokens/s and MFU both padded and useful (non-padding tokens only), the padding
+  share and device memory (`progress.throughput_hooks`);
 - a loss history kept beside the checkpoints, so a resumed run reports the
   whole curve; a corrupt latest checkpoint is set aside for the previous one
   (both in `checkpoints`).
@@ -52,8 +53,12 @@ class BatchFeed:
     SIGTERM or when the session budget leaves only the time to save.
     """
 
-    def __init__(self, rows: pd.DataFrame, batch_size: int, seed: int, local: slice | None = None, arrays=None):
+    def __init__(self, rows: pd.DataFrame, batch_size: int, seed: int, local: slice | None = None, arrays=None,
+                 row_tokens: tuple[int, np.ndarray] | None = None, micro_batches: int = 1):
         self.arrays = token_arrays(rows) if arrays is None else arrays  # arrays: other columns (preference pairs)
+        # (token slots of a row, non-padding tokens of each row): what a step computes, and how much of it counts
+        self.row_tokens = row_tokens or row_token_counts(self.arrays)
+        self.micro_batches = micro_batches  # batches per optimizer step (gradient accumulation)
         self.n = len(rows)
         if self.n < batch_size:
             raise MeshError(
@@ -63,17 +68,30 @@ class BatchFeed:
         self.batch_size, self.seed = batch_size, seed
         self.local = local or slice(0, batch_size)
         self.per_epoch = self.n // batch_size  # the remainder of each epoch is dropped: one shape, one compile
+        self._order: tuple[int, np.ndarray] | None = None  # (epoch, its shuffled rows): one permutation an epoch
         self.stop_reason: str | None = None
         self.evals: list[dict] = []  # the in-training evaluation's batches
         self._eval_iter = None
         self._deadline = None
         self._clock = StepClock()
 
-    def batch(self, step: int) -> dict:
+    def rows_of(self, step: int) -> np.ndarray:
+        """Indices of the global batch `step` (every process's rows)."""
         epoch, k = divmod(step, self.per_epoch)
-        order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
-        idx = order[k * self.batch_size : (k + 1) * self.batch_size][self.local]
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n))
+        return self._order[1][k * self.batch_size : (k + 1) * self.batch_size]
+
+    def batch(self, step: int) -> dict:
+        idx = self.rows_of(step)[self.local]
         return {name: a[idx] for name, a in self.arrays.items()}
+
+    def step_tokens(self, train_step: int) -> tuple[int, int]:
+        """(token slots, non-padding tokens) of optimizer step `train_step` (1-based, as Tunix's hooks number
+        steps): every micro-batch of it, every process's rows."""
+        slots, useful = self.row_tokens
+        batches = range((train_step - 1) * self.micro_batches, train_step * self.micro_batches)
+        return slots * self.batch_size * len(batches), int(sum(useful[self.rows_of(i)].sum() for i in batches))
 
     def stop(self, reason: str) -> None:
         self.stop_reason = reason
@@ -105,6 +123,13 @@ class BatchFeed:
         if batch is None:
             self._eval_iter = None  # ready for the next evaluation
         return batch
+
+
+def row_token_counts(arrays: dict) -> tuple[int, np.ndarray]:
+    """(token slots of a row, non-padding tokens of each row) of tokenized rows: a token is useful where it has a
+    segment id, i.e. it is real input (with packing, every packed example's tokens)."""
+    segments = arrays["segment_ids"]
+    return segments.shape[1], (segments != 0).sum(axis=1)
 
 
 class StepClock:
@@ -202,6 +227,25 @@ def fit(trainer, feed: BatchFeed, ckpt_dir: epath.Path, stage: str, max_steps: i
         "stopped_early": feed.stop_reason,
         "history": history,
         "train_seconds": time.perf_counter() - started,
+        **throughput_summary(trainer, feed, start_step),
+    }
+
+
+def throughput_summary(trainer, feed: BatchFeed, start_step: int) -> dict:
+    """The run's speed: the median of its steps' rates (`progress.step_throughput`; MFU where a peak was known),
+    and the share of padding in every step it trained."""
+    def median(name: str) -> float | None:
+        values = checkpoints.metric_history(trainer.metrics_logger, trainer.metrics_prefix, name)
+        return float(np.median(values)) if len(values) else None
+
+    steps = [feed.step_tokens(s) for s in range(start_step + 1, trainer.train_steps + 1)]
+    slots = sum(slots for slots, _ in steps)
+    return {
+        "median_tokens_per_sec": median("tokens_per_sec"),  # every token slot, padding included
+        "median_useful_tokens_per_sec": median("useful_tokens_per_sec"),
+        "median_mfu": median("mfu"),
+        "median_useful_mfu": median("useful_mfu"),
+        "padding_fraction": 1 - sum(useful for _, useful in steps) / slots if slots else None,
     }
 
 
@@ -255,17 +299,18 @@ def train(
     local = process_rows(mesh, batch_size)
     seq_len = len(train_rows["input_tokens"].iloc[0])
     ckpt_dir = storage_path(sft.checkpoint_dir, "sft.checkpoint_dir")  # a gs:// URI reaches Orbax as it is
-    feed = BatchFeed(train_rows, batch_size, sft.seed, local).with_budget(sft.time_budget_hours, model)
+    feed = BatchFeed(train_rows, batch_size, sft.seed, local, micro_batches=sft.gradient_accumulation_steps)
+    feed.with_budget(sft.time_budget_hours, model)
     sft = sft.steps_for(len(train_rows), batch_size)  # sft.epochs -> max_steps, now that the rows are known
     if sft.eval_every and len(eval_rows):
         feed.with_eval(eval_batches(eval_rows, batch_size, local))
-    flops_per_step = batch_size * seq_len * train_flops_per_token(model, seq_len, sft.remat)
+    flops_per_token = train_flops_per_token(model, seq_len, sft.remat)
 
     with upstream.scalar_listeners_scope(), mesh:
         trainer = _trainer(model, sft, mesh, checkpoints.logger_options(ckpt_dir, metrics_backends), ckpt_dir)
         trainer.with_loss_fn(loss_fn_for(sft)).with_gen_model_input_fn(model_inputs)
         trainer.with_training_hooks(
-            throughput_hooks(batch_size * seq_len, flops_per_step, peak_flops_per_device, mesh.devices.size)
+            throughput_hooks(feed.step_tokens, flops_per_token, peak_flops_per_device, mesh.devices.size)
         )
         trainer.with_data_hooks(feed)
         run = fit(trainer, feed, ckpt_dir, "SFT", sft.max_steps)
@@ -276,7 +321,6 @@ def train(
     # in-training evaluation is one SPMD program; the barrier lets no process go on to the next
     # stage (evaluate, which restores the checkpoints) before process 0 has written the history too
     end_run(feed, "sft", run, sft.max_steps, sft.time_budget_hours)
-    tokens_per_sec = checkpoints.metric_history(trainer.metrics_logger, trainer.metrics_prefix, "tokens_per_sec")
     return {
         **run,
         "global_batch_size": batch_size * sft.gradient_accumulation_steps,
@@ -285,5 +329,4 @@ def train(
         "first_loss": history[0]["loss"] if history else None,
         "last_loss": history[-1]["loss"] if history else None,
         "loss_history": history,
-        "median_tokens_per_sec": float(np.median(tokens_per_sec)) if len(tokens_per_sec) else None,
     }

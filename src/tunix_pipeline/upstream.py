@@ -67,7 +67,8 @@ def trainer_class(base=None):
     """`base` (Tunix's PeftTrainer or a subclass such as DPOTrainer) with three overrides:
     - its jitted steps get `step_compiler_options()` (Tunix's jitted steps take no compiler options);
     - each process's rows become one global batch on `data_mesh` before Tunix's `shard_input` sees them;
-    - its progress bar shows tokens/s once the throughput hook has logged it (the private `_tqdm_train_metrics`).
+    - its progress bar shows useful and padded tokens/s once the throughput hook has logged them (the private
+      `_tqdm_train_metrics`).
     """
     from tunix.sft import peft_trainer
 
@@ -82,9 +83,8 @@ def trainer_class(base=None):
         @property
         def _tqdm_train_metrics(self):
             names = super()._tqdm_train_metrics
-            if self.metrics_logger.metric_exists(self.metrics_prefix, "tokens_per_sec", "train"):
-                names = [*names, "tokens_per_sec"]
-            return names
+            rates = ("useful_tokens_per_sec", "tokens_per_sec")  # non-padding tokens first, then every slot
+            return [*names, *(n for n in rates if self.metrics_logger.metric_exists(self.metrics_prefix, n, "train"))]
 
         def jit_train_and_eval_step(self, skip_jit: bool = False, cache_nnx_graph: bool = False):
             building = not skip_jit and self._jitted_train_step_fn is None

@@ -52,6 +52,8 @@ class HardwareProfile(Strict):
         return self
     setup_minutes: float | None = Field(None, ge=0, description="overrides plan.session_setup_minutes")
     note: str = ""
+    # another estimate of SFT on this machine (a seed's), printed beside the plan's examples per session; it sizes nothing
+    quoted_estimate: str = ""
 
 
 class PlanBudget(Strict):
@@ -84,6 +86,8 @@ class PlanParams(Strict):
     session_setup_minutes: float = Field(30.0, ge=0, description="per session: install, load, compile")
     usable_memory_fraction: float = Field(0.95, gt=0, le=1)
     warn_memory_fraction: float = Field(0.9, gt=0, le=1)
+    # under this share of real tokens in a row (the tokenize report), without packing, the plan says what packing saves
+    warn_padding_efficiency: float = Field(0.6, gt=0, le=1)
     large_model_params: float = Field(1.0e9, gt=0, description="seed 004: warn for models this big on small GPUs")
     small_gpu_gib: float = Field(24.0, gt=0)
     train_rows: int | None = Field(None, gt=0, description="to report epochs when the data is not at hand")

@@ -11,10 +11,12 @@ compiled ahead of time on a fake CPU mesh of the same shape (XLA:TPU for a TPU p
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from tunix_pipeline.config import ModelParams, PlanParams, RuntimeParams, SftParams, TokenizeParams
 from tunix_pipeline.planning.architecture import Architecture, PlanError, from_hf_config, resolve
+from tunix_pipeline.planning.goodput import padding_of
 from tunix_pipeline.planning.memory import GIB, MemoryEstimate, TrainSetup, estimate_memory
 from tunix_pipeline.planning.hardware import detect_profile
 from tunix_pipeline.planning.job import Job, make_job
@@ -68,13 +70,18 @@ def build_plan(
     seq_len: int | None = None,
     train_rows: int | None = None,
     compiled: dict | None = None,
+    tokenize_report: dict | None = None,
 ) -> Plan:
     """The plan for the configured run; `folder`: the base model's folder when it is already there;
-    `compiled`: XLA:TPU's figures for the selected run (`check_against_xla`), used in place of the estimate's."""
+    `compiled`: XLA:TPU's figures for the selected run (`check_against_xla`), used in place of the estimate's;
+    `tokenize_report`: the tokenize stage's report, for the padding (useful tokens, examples, epochs)."""
     arch = resolve(model, plan.architectures, folder)
     hardware = selected_hardware(plan, runtime)
-    job = make_job(arch, model, sft, runtime, seq_len or tokenize.max_length, hardware[1].devices,
-                   train_rows or plan.train_rows)
+    seq_len = seq_len or tokenize.max_length
+    padding, note = padding_of(tokenize_report, tokenize.pack, seq_len)
+    train_rows = train_rows or plan.train_rows or (padding.rows if padding else None)
+    job = make_job(arch, model, sft, runtime, seq_len, hardware[1].devices, train_rows)
+    job = dataclasses.replace(job, pack=tokenize.pack, padding=padding, padding_note=note)
     return make_plan(job, plan, hardware, compiled)
 
 

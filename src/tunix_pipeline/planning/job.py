@@ -7,6 +7,7 @@ import math
 
 from tunix_pipeline.config import HardwareProfile, ModelParams, RuntimeParams, SftParams
 from tunix_pipeline.planning.architecture import Architecture, PlanError, lora_targets
+from tunix_pipeline.planning.goodput import Padding
 from tunix_pipeline.planning.memory import TrainSetup
 
 
@@ -32,6 +33,9 @@ class Job:
     mesh: dict | None  # the configured mesh when explicit
     train_rows: int | None = None
     time_budget_hours: float | None = None  # sft.time_budget_hours: a session budget on any hardware
+    pack: bool = False  # tokenize.pack: several examples a row
+    padding: Padding | None = None  # the training rows' padding (the tokenize report), when known
+    padding_note: str | None = None  # why it is not known
 
     @property
     def samples(self) -> int:

@@ -12,6 +12,7 @@ import math
 
 from tunix_pipeline.config import HardwareProfile, PlanParams
 from tunix_pipeline.planning.architecture import PlanError
+from tunix_pipeline.planning.goodput import summary as goodput_summary
 from tunix_pipeline.planning.job import Job, setup_on
 from tunix_pipeline.planning.memory import GIB, MemoryEstimate, TrainSetup, checkpoint_bytes, estimate_memory
 
@@ -73,6 +74,7 @@ class Plan:
     assumptions: dict = dataclasses.field(default_factory=dict)
     preference: dict | None = None  # the preference stage, when it is on (planning.preference)
     grpo: dict | None = None  # GRPO's generation and update, when it is on (planning.grpo)
+    goodput: dict = dataclasses.field(default_factory=dict)  # useful tokens, examples, epochs (planning.goodput)
 
     def summary(self) -> dict:
         s = self.selected
@@ -98,7 +100,8 @@ class Plan:
             "flops_per_step": s.compiled_flops or self.job.flops_per_step(s.global_batch, s.setup.remat),
             "flops_from": "XLA:TPU" if s.compiled_flops is not None else "estimate",
             "mfu": s.mfu,
-            "samples_per_hour": s.samples_per_hour,
+            "samples_per_hour": s.samples_per_hour,  # rows of sequence_length tokens, padding included
+            "goodput": self.goodput,
             "steps": s.steps,
             "steps_per_session": s.steps_per_session,
             "sessions": s.sessions,
@@ -173,7 +176,7 @@ def evaluate(job: Job, name: str, hw: HardwareProfile, plan: PlanParams, setup: 
     ckpt = plan.checkpoint_seconds
     if ckpt is None:
         ckpt = checkpoint_bytes(job.arch, setup) / (plan.checkpoint_gb_per_s * 1e9)
-    every = max(1, math.ceil(job.checkpoint_every * job.global_batch / global_batch))
+    every = _checkpoint_interval(job, global_batch)
     steps_per_session, sessions, hours, notes = _sessions(job, hw, plan, steps, step_seconds, ckpt, every)
     weeks = math.ceil(hours / hw.weekly_hours) if hw.weekly_hours else None
     cost = hours * hw.cost_per_hour if hw.cost_per_hour is not None else None
@@ -209,6 +212,17 @@ def evaluate(job: Job, name: str, hw: HardwareProfile, plan: PlanParams, setup: 
         compiled_flops=compiled_flops,
         mfu=mfu,
     )
+
+
+def _checkpoint_interval(job: Job, global_batch: int) -> int:
+    """Steps between checkpoints at `global_batch`: the configured interval's samples."""
+    return max(1, math.ceil(job.checkpoint_every * job.global_batch / global_batch))
+
+
+def hours_for_steps(job: Job, row: Row, plan: PlanParams, steps: int) -> float:
+    """Hours of `row`'s run had it `steps` optimizer steps: the same step time, checkpoints and sessions."""
+    every = _checkpoint_interval(job, row.global_batch)
+    return _sessions(job, row.hw, plan, steps, row.step_seconds, row.checkpoint_seconds, every)[2]
 
 
 def _sessions(job: Job, hw: HardwareProfile, plan: PlanParams, steps: int, step_seconds: float, ckpt: float,
@@ -277,6 +291,9 @@ def make_plan(job: Job, plan: PlanParams, selected: tuple[str, HardwareProfile],
         )
     if status == "ok" and warnings:
         status = "risky"
+    useful = goodput_summary(job, chosen, plan.warn_padding_efficiency, lambda n: hours_for_steps(job, chosen, plan, n))
+    if "warning" in useful:
+        warnings.append(useful["warning"])  # after the status: padding costs time, not memory
     return Plan(
         job=job,
         rows=rows,
@@ -293,6 +310,7 @@ def make_plan(job: Job, plan: PlanParams, selected: tuple[str, HardwareProfile],
             "session_setup_minutes": plan.session_setup_minutes,
             "budget": plan.budget.model_dump(),
         },
+        goodput=useful,
     )
 
 

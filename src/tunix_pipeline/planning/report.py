@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
+from tunix_pipeline.planning.goodput import hours_text as _hours
+from tunix_pipeline.planning.goodput import markdown_lines as goodput_lines
 from tunix_pipeline.planning.memory import GIB
 from tunix_pipeline.planning.plan import Plan, Row, size
 
 
 def _money(x: float | None) -> str:
     return "-" if x is None else f"${x:,.2f}"
-
-
-def _hours(h: float) -> str:
-    return f"{h * 60:.0f} min" if h < 1 else f"{h:,.1f} h"
 
 
 def _row(r: Row, selected: str, recommended: str | None) -> str:
@@ -81,7 +79,7 @@ def _recommended(plan: Plan) -> str:
 
 def markdown(plan: Plan) -> str:
     s = plan.selected
-    lines = _header(plan) + [_recommended(plan), ""]
+    lines = _header(plan) + goodput_lines(plan.goodput, s.profile, plan.job.padding) + ["", _recommended(plan), ""]
     if plan.warnings:
         lines += ["**Warnings:**", ""] + [f"- {w}" for w in plan.warnings] + [""]
     if plan.advice:

@@ -14,14 +14,15 @@ log = logging.getLogger(__name__)
 
 
 def plan_training(
-    model: ModelParams, sft: SftParams, runtime: RuntimeParams, tokenize: TokenizeParams, plan: PlanParams,
-    preference: PreferenceParams, sessions: dict, grpo: GrpoParams,
+    tokenize_report: dict | None, model: ModelParams, sft: SftParams, runtime: RuntimeParams, tokenize: TokenizeParams,
+    plan: PlanParams, preference: PreferenceParams, sessions: dict, grpo: GrpoParams,
 ) -> tuple[dict, str]:
     """The plan for every hardware profile (SFT, and the preference stage and GRPO when this run or a later
     session of `sessions.plan` turns them on), checked against XLA (on a TPU profile: compiled for its
-    topology, and resting on that); printed, and returned as JSON and Markdown."""
+    topology, and resting on that); printed, and returned as JSON and Markdown. `tokenize_report` (None before
+    the tokenize stage has run): the padding of the rows, for the useful tokens, examples and epochs."""
     # the XLA check may rebuild the plan on the compiled figures: the preference stage is added after it
-    result = with_xla_check(build_plan(model, sft, runtime, tokenize, plan), model, plan)
+    result = with_xla_check(build_plan(model, sft, runtime, tokenize, plan, tokenize_report=tokenize_report), model, plan)
     result = add_preference(result, _planned_preference(preference, sessions), plan)
     if plan.xla_check.enabled and result.preference:
         result.preference["xla_check"] = check_preference_against_xla(
@@ -61,6 +62,7 @@ def _planned_stage(section: str, params, sessions: dict):
 def check_sft_fits(
     base_model: dict,
     train_tokens: pd.DataFrame,
+    tokenize_report: dict | None,
     model: ModelParams,
     sft: SftParams,
     runtime: RuntimeParams,
@@ -74,7 +76,8 @@ def check_sft_fits(
     if not plan.enabled or sft.max_steps == 0:  # off, or no SFT this session
         return base_model, {"status": "skipped"}
     seq_len = len(train_tokens["input_tokens"].iloc[0]) if len(train_tokens) else None
-    result = build_plan(model, sft, runtime, tokenize, plan, base_model.get("path"), seq_len, len(train_tokens))
+    result = build_plan(model, sft, runtime, tokenize, plan, base_model.get("path"), seq_len, len(train_tokens),
+                        tokenize_report=tokenize_report)
     # on a TPU (attached, or a profile's topology with libtpu) the fit is XLA:TPU's compiled figure
     result = with_xla_check(result, model, plan, tpu_only=True)
     if result.status == "over":

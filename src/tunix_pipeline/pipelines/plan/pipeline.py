@@ -8,8 +8,9 @@ def create_pipeline(**kwargs) -> Pipeline:
         [
             Node(
                 plan_training,
-                inputs=["params:model", "params:sft", "params:runtime", "params:tokenize", "params:plan", "params:preference",
-                        "params:sessions", "params:grpo"],
+                # tokenize_report: None until the tokenize stage has written it (an `OptionalJSONDataset`)
+                inputs=["tokenize_report", "params:model", "params:sft", "params:runtime", "params:tokenize", "params:plan",
+                        "params:preference", "params:sessions", "params:grpo"],
                 outputs=["plan_summary", "plan_report"],
                 name="plan_training",
             )

@@ -14,7 +14,7 @@ def create_pipeline(**kwargs) -> Pipeline:
             Node(
                 check_sft_fits,
                 inputs=[
-                    "base_model", "train_tokens", "params:model", "params:sft", "params:runtime",
+                    "base_model", "train_tokens", "tokenize_report", "params:model", "params:sft", "params:runtime",
                     "params:tokenize", "params:plan",
                 ],
                 outputs=["planned_base_model", "sft_plan"],
