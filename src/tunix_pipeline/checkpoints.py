@@ -51,6 +51,13 @@ def latest_step(ckpt_dir: epath.Path) -> int | None:
     return max(steps) if steps else None
 
 
+def params_dir(checkpoint_dir: str | Path, step: int) -> epath.Path:
+    """The Orbax folder of a checkpoint's weights (only the LoRA adapters in a LoRA run), as Tunix's
+    CheckpointManager writes it: what `orbax.checkpoint.StandardCheckpointer().restore` reads in a
+    Tunix notebook (docs/restore_with_tunix.md)."""
+    return storage_path(checkpoint_dir) / str(step) / "model_params"
+
+
 def set_aside(ckpt_dir: epath.Path, step: int, err: Exception) -> None:
     target = ckpt_dir / f"{step}.corrupt"
     log.warning("checkpoint %s/%d cannot be restored (%s); moved to %s, resuming from the one before",

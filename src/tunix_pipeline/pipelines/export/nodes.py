@@ -1,7 +1,7 @@
 import contextlib
 import logging
 
-from tunix_pipeline.checkpoints import restore_required
+from tunix_pipeline.checkpoints import params_dir, restore_required
 from tunix_pipeline.config import ExportParams, FormatParams, ModelParams, RuntimeParams
 from tunix_pipeline.models import export_pretrained, load_run_model, load_tokenizer
 from tunix_pipeline.models.gguf_export import tuned_chat_template
@@ -67,6 +67,7 @@ def export_model(
     result = {
         "path": str(storage_path(params.output_dir)), "stage": stage, "checkpoint_step": step,
         "merged_lora": model.lora is not None,
+        "checkpoint": str(params_dir(checkpoint_dir, step)),  # the final Orbax checkpoint, for Tunix's own code
     }
     if gguf:
         result["gguf_dir"] = str(storage_path(params.gguf_dir))
