@@ -84,6 +84,15 @@ def token_rows(n: int, seq_len: int, vocab: int, seed: int = 0):
     return pd.DataFrame(rows)
 
 
+def useful_throughput(useful: list[int], median_seconds: float, slots_per_step: int) -> dict:
+    """The timed steps counting their non-padding tokens only (`useful`, each step's): their mean over the median
+    step time (as `tokens_per_s` counts every slot), and the share of padding in them."""
+    return {
+        "useful_tokens_per_s": float(np.mean(useful)) / median_seconds,
+        "padding_fraction": 1 - sum(useful) / (len(useful) * slots_per_step),
+    }
+
+
 def matmul_peak_gflops(n: int = 2048, seconds: float = 3.0) -> dict:
     """The machine's fp32 matmul rate: a large jitted `jnp.dot`, best of repeated runs."""
     import jax

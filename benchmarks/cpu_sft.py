@@ -14,6 +14,12 @@ weights written by our tiny-model builder's code) and the same batches feed:
   learning-rate schedule and weight-decay mask;
 - `matmul`: the largest rate of a big jitted `jnp.dot` (the machine's peak).
 
+Throughput is reported twice: every token slot of the fixed-length rows
+(`tokens_per_s`, `gflops_per_s`, MFU) and the non-padding ones only
+(`useful_tokens_per_s`, `useful_gflops_per_s`, useful MFU), with the padding
+share of the timed steps (`padding_fraction`); the rows are half full, half
+padded to a random length, so the two differ.
+
 Each runs in its own process (clean peak memory, its own compile); the step time
 is the median of `--steps` steps after the first (compiling) step and `--warmup`
 more. `--extra` adds ablations: ours without our XLA:CPU compile options, and
@@ -94,20 +100,34 @@ def _series(name: str) -> list[float]:
     return [v for e, v, _ in _Recorder.events if e == f"train/{name}"]
 
 
-def _summary(step_times: list[float], args, flops_per_step: float, timer=None, extra=None) -> dict:
+def _logged_useful_tokens(rows, args, seed: int) -> list[int]:
+    """Non-padding tokens of each step the throughput hook timed (the steps it logged `step_time` at), counted
+    from the batches the pipeline's feed gives those steps."""
+    from tunix_pipeline import training
+
+    feed = training.BatchFeed(rows, args.batch, seed)
+    return [feed.step_tokens(step)[1] for e, _, step in _Recorder.events if e == "train/step_time"]
+
+
+def _summary(step_times: list[float], useful_tokens: list[int], args, flops_per_step: float, timer=None,
+             extra=None) -> dict:
+    """`step_times` and the `useful_tokens` (non-padding) of those steps start after the first (compiling) step."""
     import numpy as np
 
-    # step_times start after the first (compiling) step
     timed = step_times[args.warmup :][: args.steps]
+    useful = useful_tokens[args.warmup :][: args.steps]
     step = timer.matching("train_step") if timer else None
     median = float(np.median(timed))
+    goodput = common.useful_throughput(useful, median, args.batch * args.seq)
     return {
         "step_seconds_median": median,
         "step_seconds_min": float(np.min(timed)),
         "step_seconds_max": float(np.max(timed)),
         "steps_timed": len(timed),
-        "tokens_per_s": args.batch * args.seq / median,
+        "tokens_per_s": args.batch * args.seq / median,  # every slot, padding included
+        **goodput,
         "gflops_per_s": flops_per_step / median / 1e9,
+        "useful_gflops_per_s": flops_per_step / (args.batch * args.seq) * goodput["useful_tokens_per_s"] / 1e9,
         "flops_per_step": flops_per_step,
         # tracing + lowering + XLA compile of the train step, and how many times it compiled (1 is right)
         "compile_seconds": step["seconds"] if timer else None,
@@ -144,6 +164,7 @@ def worker_ours(args) -> dict:
     loss = _series("loss")
     return _summary(
         steps,
+        _logged_useful_tokens(rows, args, sft.seed),
         args,
         flops,
         timer,
@@ -210,13 +231,16 @@ def worker_tunix_default(args) -> dict:
                     model, make_optimizer(sft.optim), config, metrics_logger=metrics_logger.MetricsLogger(options)
                 )
             trainer.with_gen_model_input_fn(tunix_model_input_fn())
-            # the same step-time hook as ours, so both are measured the same way
-            trainer.with_training_hooks(progress.throughput_hooks(args.batch * args.seq, flops, None, 1))
+            # the same step-time hook as ours, so both are measured the same way (batch i is the feed's step i + 1)
+            trainer.with_training_hooks(
+                progress.throughput_hooks(feed.step_tokens, flops / (args.batch * args.seq), None, 1)
+            )
             t0 = time.perf_counter()
             trainer.train(batches)
             wall = time.perf_counter() - t0
     return _summary(
         _series("step_time"),
+        _logged_useful_tokens(rows, args, sft.seed),
         args,
         flops,
         timer,
@@ -260,9 +284,10 @@ def worker_torch(args) -> dict:
         6.0 * params + 12.0 * spec["num_layers"] * spec["num_heads"] * spec["head_dim"] * args.seq
     )
     loaded_rss = common.peak_rss_mb()
-    times, losses = [], []
+    times, losses, useful = [], [], []
     for step in range(1 + args.warmup + args.steps):
         b = feed.batch(step)
+        useful.append(int((b["segment_ids"] > 0).sum()))
         ids = torch.from_numpy(b["input_tokens"].astype(np.int64))
         mask = torch.from_numpy((b["segment_ids"] > 0).astype(np.int64))
         labels = ids.masked_fill(torch.from_numpy(b["loss_mask"] == 0), -100)
@@ -279,6 +304,7 @@ def worker_torch(args) -> dict:
         times.append(time.perf_counter() - t)
     return _summary(
         times[1:],
+        useful[1:],
         args,
         flops,
         None,
@@ -380,6 +406,11 @@ def _ratios(out: dict) -> dict:
         "ours_vs_tunix_default": ours / tunix if ours and tunix else None,
         "ours_vs_torch": ours / torch if ours and torch else None,
     }
+    for name in ("ours", "tunix_default", "torch"):  # the same steps counting their non-padding tokens only
+        if get(name, "useful_tokens_per_s"):
+            r[f"{name}_useful_tokens_per_s"] = get(name, "useful_tokens_per_s")
+            r[f"{name}_useful_mfu"] = get(name, "useful_gflops_per_s") / peak if peak else None
+            r[f"{name}_padding_fraction"] = get(name, "padding_fraction")
     for name in ("ours_no_cpu_options", "tunix_default_with_cpu_options", "ours_bf16_compute", "torch_bf16_autocast"):
         if get(name, "tokens_per_s"):
             r[f"{name}_tokens_per_s"] = get(name, "tokens_per_s")

@@ -10,8 +10,10 @@ and MFU against the card's dense bf16 peak (a table of known cards, and a
 measured large bf16 `jnp.dot`), for `ours` (`training.train` as the sft node
 runs it), `tunix_default` (Tunix's PeftTrainer with its one-hot loss) and
 `torch` (transformers' Gemma in PyTorch, sdpa attention, fused AdamW), each in
-its own process; MFU counts the same FLOPs per step for all three. Prints one
-JSON object.
+its own process; MFU counts the same FLOPs per step for all three. Beside each
+rate, the same steps counting their non-padding tokens only
+(`useful_tokens_per_s`, `useful_mfu`) and their share of padding
+(`padding_fraction`). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ def worker(args) -> dict:
     import numpy as np
     from tunix.sft import metrics_logger, peft_trainer
 
-    from benchmarks.cpu_sft import _Recorder, _series, _sft_params, tunix_model_input_fn
+    from benchmarks.cpu_sft import _logged_useful_tokens, _Recorder, _series, _sft_params, tunix_model_input_fn
     from tunix_pipeline import progress, runtime, training
     from tunix_pipeline.optim import make_optimizer
     from tunix_pipeline.config import RuntimeParams
@@ -156,17 +158,21 @@ def worker(args) -> dict:
                     model, make_optimizer(sft.optim), config, metrics_logger=metrics_logger.MetricsLogger(options)
                 )
                 trainer.with_gen_model_input_fn(tunix_model_input_fn())
-                trainer.with_training_hooks(progress.throughput_hooks(args.batch * args.seq, flops, None, 1))
+                trainer.with_training_hooks(
+                    progress.throughput_hooks(feed.step_tokens, flops / (args.batch * args.seq), None, 1)
+                )
                 trainer.train(batches)
         wall = time.perf_counter() - t0
     steps = _series("step_time")[args.warmup :][: args.steps]  # from the second step on
+    useful = _logged_useful_tokens(rows, args, sft.seed)[args.warmup :][: args.steps]
     median = float(np.median(steps))
     stats = device.memory_stats() or {}
     step = timer.matching("train_step")
     return {
         "step_seconds_median": median,
         "steps_timed": len(steps),
-        "tokens_per_s": args.batch * args.seq / median,
+        "tokens_per_s": args.batch * args.seq / median,  # every slot, padding included
+        **common.useful_throughput(useful, median, args.batch * args.seq),
         "tflops_per_s": flops / median / 1e12,
         "flops_per_step": flops,
         "compile_seconds": step["seconds"],
@@ -197,9 +203,12 @@ def worker_torch(args) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=device == "cuda")
     rows = common.token_rows(args.batch * 4, args.seq, spec["vocab_size"], seed=0)
     tokens = np.stack(rows["input_tokens"].to_numpy())
-    times, losses = [], []
+    real = (np.stack(rows["segment_ids"].to_numpy()) > 0).sum(axis=1)  # non-padding tokens of each row
+    times, losses, useful = [], [], []
     for step in range(args.warmup + args.steps):
-        ids = torch.from_numpy(tokens[(step % 4) * args.batch : (step % 4 + 1) * args.batch].astype(np.int64)).to(device)
+        batch = slice((step % 4) * args.batch, (step % 4 + 1) * args.batch)
+        useful.append(int(real[batch].sum()))
+        ids = torch.from_numpy(tokens[batch].astype(np.int64)).to(device)
         sync()
         t = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
@@ -213,7 +222,8 @@ def worker_torch(args) -> dict:
     return {
         "step_seconds_median": median,
         "steps_timed": args.steps,
-        "tokens_per_s": args.batch * args.seq / median,
+        "tokens_per_s": args.batch * args.seq / median,  # every slot, padding included
+        **common.useful_throughput(useful[args.warmup :], median, args.batch * args.seq),
         "peak_device_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
         "first_loss": losses[0],
         "last_loss": losses[-1],
@@ -250,9 +260,12 @@ def run(args) -> dict:
     for name in ("ours", "tunix_default", "torch"):
         if flops and out[name].get("step_seconds_median"):  # the same FLOPs per step for all three
             out[name]["mfu"] = flops / out[name]["step_seconds_median"] / peak
+            out[name]["useful_mfu"] = flops / (args.batch * args.seq) * out[name]["useful_tokens_per_s"] / peak
     ours, tunix, torch = (out[n].get("tokens_per_s") for n in ("ours", "tunix_default", "torch"))
     out["ours_tokens_per_s"], out["tunix_default_tokens_per_s"], out["torch_tokens_per_s"] = ours, tunix, torch
     out["ours_mfu"] = out["ours"].get("mfu")
+    for key in ("useful_tokens_per_s", "useful_mfu", "padding_fraction"):  # non-padding tokens only
+        out[f"ours_{key}"] = out["ours"].get(key)
     out["ours_vs_tunix_default"] = ours / tunix if ours and tunix else None
     out["ours_vs_torch"] = ours / torch if ours and torch else None
     return out

@@ -61,7 +61,9 @@ def main(argv=None) -> dict:
         "tunix_default_mfu", "torch_mfu", "ours_vs_tunix_default", "ours_vs_torch",
         "ours_no_cpu_options_tokens_per_s", "ours_no_cpu_options_mfu",
         "tunix_default_with_cpu_options_tokens_per_s", "tunix_default_with_cpu_options_mfu",
-        "ours_bf16_compute_tokens_per_s", "torch_bf16_autocast_tokens_per_s", "targets",
+        "ours_bf16_compute_tokens_per_s", "torch_bf16_autocast_tokens_per_s",
+        # non-padding tokens only: the same steps' useful throughput and the share of padding in them
+        "ours_useful_tokens_per_s", "ours_useful_mfu", "ours_padding_fraction", "targets",
     ]
     result = {
         "machine": common.describe(machine),

@@ -1,9 +1,12 @@
 """The benchmark scripts run (on a tiny size, in seconds); no timing is asserted here."""
 
+from types import SimpleNamespace
+
 import jax
 import pytest
 
 from benchmarks import common, cpu_sft, gpu_sft, tokenize_rows
+from tunix_pipeline.training import BatchFeed
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +33,15 @@ def test_the_same_folder_feeds_ours_tunix_and_torch_with_the_same_first_loss(tin
     torch = _worker("torch", tiny_folder)
     for result in (ours, tunix, torch):
         assert result["steps_timed"] == 2 and result["tokens_per_s"] > 0 and result["peak_rss_mb"] > 0
+    # the same batches: the same non-padding share, counted from the rows each step was fed
+    rows = cpu_sft._rows(SimpleNamespace(size="tiny", batch=2, seq=32))
+    feed = BatchFeed(rows, 2, seed=cpu_sft._sft_params(SimpleNamespace(batch=2, warmup=0, steps=2), "unused").seed)
+    useful = [int((feed.batch(i)["segment_ids"] > 0).sum()) for i in (1, 2)]  # the timed steps, after the compiling one
+    for result in (ours, tunix, torch):
+        assert result["padding_fraction"] == pytest.approx(1 - sum(useful) / (2 * 2 * 32))
+        assert 0 < result["useful_tokens_per_s"] < result["tokens_per_s"]
+        assert result["useful_gflops_per_s"] / result["gflops_per_s"] == pytest.approx(
+            result["useful_tokens_per_s"] / result["tokens_per_s"])
     assert ours["train_step_compiles"] == 1 and tunix["train_step_compiles"] == 1
     # identical weights, batches and loss definition: the first losses agree across frameworks up to
     # float32 rounding in another order: 2 x (layers + 1) x width x eps x max|logit| (see parity.logits_atol:
@@ -55,6 +67,7 @@ def test_ratios_and_targets_are_computed_from_the_contenders():
 def test_tokenize_benchmark_compares_the_stage_with_a_plain_call():
     result = tokenize_rows.main(["--rows", "200", "--repeats", "1"])
     assert result["rows"] == 200 and result["ours_rows_per_s"] > 0 and result["plain_rows_per_s"] > 0
+    assert result["ours_useful_tokens_per_s"] == pytest.approx(result["padding_efficiency"] * result["ours_tokens_per_s"])
 
 
 def test_gpu_benchmark_skips_cleanly_without_a_gpu():
