@@ -35,7 +35,7 @@ def test_every_environment_validates(project, env):
     if env == "tpu_full":
         assert params["model"].source == "google/gemma-2b" and params["model"].dtype == "bfloat16"
         assert params["tokenize"].max_length == 1024 and params["sft"].per_device_batch_size == 4
-        assert (params["sft"].checkpoint_every, params["sft"].keep_checkpoints) == (1000, 3)
+        assert (params["sft"].checkpoint_every, params["sft"].keep_checkpoints) == (40, 3)
         assert params["sft"].optimizer == "adamw" and params["sft"].warmup_steps > 0
         assert params["runtime"].mesh == "auto"
         # only what differs is in the environment: base keys survive the merge

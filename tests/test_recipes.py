@@ -138,7 +138,9 @@ def test_tpu_full_is_seed_000_and_004(params):
     assert p["plan"].hardware == "kaggle-tpu-v5e-8" and p["runtime"].mesh == "auto"
     assert p["tokenize"].max_length == 1024 and p["sft"].per_device_batch_size == 4
     assert p["sft"].optimizer == "adamw" and p["sft"].warmup_steps > 0
-    assert (p["sft"].checkpoint_every, p["sft"].keep_checkpoints, p["sft"].time_budget_hours) == (1000, 3, 9)
+    # packed GSM8K, 3 epochs, a checkpoint every third of the run (tests/test_recipes_data.py measures the rows)
+    assert p["tokenize"].pack and (p["sft"].max_steps, p["sft"].epochs) == (None, 3)
+    assert (p["sft"].checkpoint_every, p["sft"].keep_checkpoints, p["sft"].time_budget_hours) == (40, 3, 9)
     assert not p["grpo"].enabled
 
 
@@ -271,8 +273,8 @@ def test_gpu80_lora_7b_against_seed_002(plans):
 
 def test_tpu_full_against_seed_000(plans):
     summary, _ = plans["tpu_full"]
-    # seed 000's session 1: SFT within one 9 h Kaggle session, a checkpoint every 1000 steps
-    assert summary["sessions"] == 1 and summary["steps_per_session"] >= summary["steps"] == 3000
+    # seed 000's session 1: SFT within one 9 h Kaggle session (now 3 packed epochs, not the seed's 13)
+    assert summary["sessions"] == 1 and summary["steps_per_session"] >= summary["steps"] == 114  # 3 epochs, packed
     assert summary["memory_fraction"] < 1 and summary["global_batch"] == 32
 
 

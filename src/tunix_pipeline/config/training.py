@@ -85,6 +85,14 @@ class SftParams(Strict):
     # run's data, a fresh optimizer and step 0. Not a resume: an interrupted run resumes from checkpoint_dir.
     init_from: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_training_needs_no_epochs(cls, data):
+        # `max_steps: 0` (a session that only passes its parent on) overrides a recipe that trains by epochs
+        if isinstance(data, dict) and data.get("max_steps") == 0:
+            return {**data, "epochs": None}
+        return data
+
     @model_validator(mode="after")
     def _warmup_fits(self):
         if (self.max_steps is None) == (self.epochs is None):
