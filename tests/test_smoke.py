@@ -66,8 +66,13 @@ def test_smoke_pipeline_end_to_end_then_resume(project):
     assert run.info.status == "FINISHED" and run.data.tags["kedro.pipelines"] == "smoke"
     losses = client.get_metric_history(run.info.run_id, "train/loss")
     assert [m.step for m in sorted(losses, key=lambda m: m.step)] == list(range(1, 201))
-    for name in ("train/learning_rate", "train/grad_norm", "train/tokens_per_sec"):
+    for name in ("train/learning_rate", "train/grad_norm", "train/tokens_per_sec", "train/useful_tokens_per_sec",
+                 "train/padding_fraction"):
         assert client.get_metric_history(run.info.run_id, name), name
+    # the sft preflight read the tokenize report the run had just written: its plan counts those rows' padding
+    tokenized = json.loads((project / "data" / "08_reporting" / "tokenize_report.json").read_text())["train"]
+    sft_plan = json.loads((project / "data" / "08_reporting" / "sft_plan.json").read_text())
+    assert sft_plan["goodput"]["padding_efficiency"] == tokenized["padding_efficiency_unpacked"]  # base: no packing
     assert run.data.metrics["eval_metrics.tuned.eval_loss"] == pytest.approx(metrics["tuned"]["eval_loss"])
     assert run.data.params["sft.max_steps"] == "200"
     # the preference stage under its own prefix: SFT's train/loss above is untouched

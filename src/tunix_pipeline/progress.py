@@ -7,7 +7,7 @@ the input rows, i.e. those with a segment id (with packing, every packed example
 the same FLOPs per token. `padding_fraction` is the share of the step that was padding.
 
 In a terminal or a notebook a tqdm bar shows it: Tunix's own trainer bar (to which
-`upstream.trainer_class` adds tokens/s), or ours for generation. Where nothing is
+`upstream.trainer_class` adds useful and padded tokens/s), or ours for generation. Where nothing is
 interactive (a log file, a batch job, a notebook run as a script) a bar draws
 nothing, so a line is logged every tenth of the run (at most one each `min_seconds`)
 and at least once a minute, e.g.
