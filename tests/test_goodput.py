@@ -108,6 +108,9 @@ def test_no_packing_warning_when_packing_is_on_or_padding_is_small():
     assert g["epochs"] == pytest.approx(2000 * 32 / round(1000 / 4.9))  # packed rows: 204 an epoch
     dense = _plan(_report(0.8))
     assert not any("padding efficiency" in w for w in dense.warnings) and dense.goodput["padding_efficiency"] == 0.8
+    # long examples that pack badly: packing is on already, nothing to advise
+    packed_badly = _plan(_report(0.2, packed=0.5), pack=True)
+    assert packed_badly.goodput["padding_efficiency"] == 0.5 and "warning" not in packed_badly.goodput
 
 
 def test_a_report_for_another_length_or_none_is_not_counted():

@@ -97,8 +97,8 @@ def test_grpo_compiles_for_a_kaggle_v5e_8():
 
     recipe = yaml.safe_load((ROOT / "conf/kaggle_gemma2_2b_v5e8/parameters.yml").read_text())
     hf = {**recipe["plan"]["architectures"]["google/gemma-2-2b-it"], "num_hidden_layers": 3}
-    plan_params = PlanParams(**{**BASE, "hardware": "kaggle-tpu-v5e-8",
-                                "architectures": {"gemma-2-2b-3-layers": hf}})
+    plan_params = PlanParams(**{**BASE, "hardware": "kaggle-tpu-v5e-8", "train_rows": recipe["plan"]["train_rows"],
+                                "architectures": {"gemma-2-2b-3-layers": hf}})  # the recipe trains by epochs
     model = ModelParams(source="gemma-2-2b-3-layers", dtype="bfloat16", lora=LoraParams(**recipe["model"]["lora"]))
     grpo = GrpoParams(**{**recipe["grpo"], "enabled": True})
     plan = build_plan(model, SftParams(**recipe["sft"]), RuntimeParams(), TokenizeParams(max_length=512), plan_params)
