@@ -84,7 +84,9 @@ def check_sft_fits(
         raise DoesNotFit(refusal(result))
     for warning in result.warnings:
         log.warning("plan: %s", warning)
-    log.info("plan: %s on %s: %.2f GiB of %.2f GiB per device, about %.1f h",
+    useful = result.goodput["useful_tokens_per_sec"]
+    log.info("plan: %s on %s: %.2f GiB of %.2f GiB per device, about %.1f h, %s tokens/s%s",
              result.status, result.selected.profile, result.selected.peak / 2**30,
-             result.selected.usable_bytes / 2**30, result.selected.hours)
+             result.selected.usable_bytes / 2**30, result.selected.hours, f"{result.goodput['tokens_per_sec']:,.0f}",
+             "" if useful is None else f" ({useful:,.0f} of them useful)")
     return base_model, result.summary()
