@@ -405,12 +405,14 @@ def test_kill_9_then_rerun_ends_bitwise_equal_to_an_uninterrupted_run(tiny_model
 
 
 def test_progress_lines_in_a_log_without_a_terminal(tiny_model_dir, rows_file, tmp_path):
-    """Piped output (no TTY, no notebook): no bar, but lines with step, loss, tokens/s and time left."""
+    """Piped output (no TTY, no notebook): no bar, but lines with step, loss, useful tokens/s of the padded rate,
+    the padding share and time left."""
     spec = {**_spec(tiny_model_dir, rows_file, tmp_path / "out", tmp_path / "ckpt"), "log_info": True}
     worker = _run_worker(spec, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output, _ = worker.communicate(timeout=300)
     assert worker.returncode == 0, output
-    steps = re.findall(r"sft: step (\d+)/10 \(\d+%\), loss \d+\.\d{4}(, [\d,]+ tokens/s, \d+:\d\d:\d\d left)?", output)
+    steps = re.findall(r"sft: step (\d+)/10 \(\d+%\), loss \d+\.\d{4}"
+                       r"(, [\d,]+ useful tokens/s of [\d,]+ \(\d+% padding\), \d+:\d\d:\d\d left)?", output)
     numbers = [int(step) for step, _ in steps]
     assert numbers[0] == 1 and numbers[-1] == 10 and numbers == sorted(set(numbers)), output  # first, last, in order
     assert all(timed for _, timed in steps[1:])  # from the second step on: throughput and time left
