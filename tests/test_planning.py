@@ -226,10 +226,11 @@ def test_the_plan_pipeline_plans_tpu_full_offline(project):
     assert summary["model"] == "google/gemma-2b" and summary["hardware"] == "kaggle-tpu-v5e-8"
     assert summary["global_batch"] == 32 and summary["mesh"] == {"data": 1, "fsdp": 8, "tp": 1}
     assert summary["status"] in ("ok", "risky")  # with remat and loss chunks, Gemma-2B full fits 16 GiB chips
-    # no tokenize report in this output root: padding not counted; a row is one example unless packed
+    # no tokenize report in this output root: padding not counted; the recipe's packed rows hold plan.train_examples
     goodput = summary["goodput"]
     assert goodput["padding_efficiency"] is None and goodput["padding_note"].startswith("no tokenize report")
-    assert goodput["examples_per_hour"] == (None if goodput["packed"] else summary["samples_per_hour"])
+    assert goodput["packed"] and goodput["examples_per_hour"] == pytest.approx(summary["samples_per_hour"] * 7324 / 1236)
+    assert " examples in a 9 h session" in goodput["session_quote"]
     assert goodput["session_quote"].endswith("seed 000 estimated ~100K samples in a 9 h session")
 
 

@@ -48,7 +48,8 @@ def test_a_gsm8k_recipe_packs_its_data_and_trains_2_to_3_epochs_of_it(gsm8k_form
     assert quality["totals"]["train_rows"] == report["examples_out"] == 7324 and report["truncated"] == 0
     # packing is what lifts the padding efficiency over 0.6; without it a step is mostly padding
     assert report["padding_efficiency_unpacked"] < 0.35 and report["padding_efficiency"] > 0.95
-    assert recipe["plan"]["train_rows"] == len(rows)  # the plan without the data plans these rows
+    # the plan without the data plans these rows and examples
+    assert (recipe["plan"]["train_rows"], recipe["plan"]["train_examples"]) == (len(rows), report["examples_out"])
     sft = recipe["sft"]
     assert sft["max_steps"] is None and 2 <= sft["epochs"] <= 3
     merged = SftParams(**{**yaml.safe_load((ROOT / "conf/base/parameters_sft.yml").read_text())["sft"], **sft})

@@ -91,6 +91,8 @@ class PlanParams(Strict):
     large_model_params: float = Field(1.0e9, gt=0, description="seed 004: warn for models this big on small GPUs")
     small_gpu_gib: float = Field(24.0, gt=0)
     train_rows: int | None = Field(None, gt=0, description="to report epochs when the data is not at hand")
+    # the examples packed into those rows (tokenize.pack), for examples per hour when the data is not at hand
+    train_examples: int | None = Field(None, gt=0)
     budget: PlanBudget = PlanBudget()
     xla_check: XlaCheckParams = XlaCheckParams()
     profiles: dict[str, HardwareProfile] = Field(min_length=1)

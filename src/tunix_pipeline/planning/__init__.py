@@ -81,7 +81,8 @@ def build_plan(
     padding, note = padding_of(tokenize_report, tokenize.pack, seq_len)
     train_rows = train_rows or plan.train_rows or (padding.rows if padding else None)
     job = make_job(arch, model, sft, runtime, seq_len, hardware[1].devices, train_rows)
-    job = dataclasses.replace(job, pack=tokenize.pack, padding=padding, padding_note=note)
+    job = dataclasses.replace(job, pack=tokenize.pack, padding=padding, padding_note=note,
+                              train_examples=plan.train_examples)
     return make_plan(job, plan, hardware, compiled)
 
 

@@ -58,7 +58,7 @@ def summary(job, row, warn_below: float, hours_for_steps) -> dict:
     efficiency is under `warn_below` without packing, `packing` and `warning` say what packing would save
     (`hours_for_steps(steps)`: the hours of the same run in that many steps)."""
     padding = job.padding
-    per_row = padding.examples_per_row if padding else (None if job.pack else 1.0)  # unpacked: one example a row
+    per_row = examples_per_row(job)
     efficiency = padding.efficiency if padding else None
     rows_trained = row.steps * row.global_batch
     tokens_per_sec = row.samples_per_hour / 3600 * job.seq_len
@@ -92,6 +92,15 @@ def summary(job, row, warn_below: float, hours_for_steps) -> dict:
     return out
 
 
+def examples_per_row(job) -> float | None:
+    """From the tokenize report; unpacked, one; packed without a report, `plan.train_examples` over its rows."""
+    if job.padding:
+        return job.padding.examples_per_row
+    if not job.pack:
+        return 1.0
+    return job.train_examples / job.train_rows if job.train_examples and job.train_rows else None
+
+
 def session_quote(row, per_row: float | None) -> str | None:
     """This plan's examples in one session of the row's hardware, beside the estimate quoted for it (a seed's)."""
     hw = row.hw
@@ -119,7 +128,7 @@ def markdown_lines(out: dict, profile: str, padding: Padding | None) -> list[str
     else:
         source = f"padding not counted: {out['padding_note']}"
         rates = f"{out['tokens_per_sec']:,.0f} tokens/s computed, padding included; MFU {out['mfu']:g} assumed"
-    examples = ("examples per hour unknown (packed rows: the tokenize report counts them)" if out["examples_per_hour"] is None
+    examples = ("examples per hour unknown (packed rows: the tokenize report or plan.train_examples counts them)" if out["examples_per_hour"] is None
                 else f"{out['examples_per_hour']:,.0f} examples/h: {out['examples']:,.0f} examples")
     epochs = f", {out['epochs']:.1f} epochs" if out["epochs"] else ""
     lines = [f"**Useful work on {profile}** ({source}): {rates}. {examples}{epochs} in {hours_text(out['hours'])}."]

@@ -34,6 +34,7 @@ class Job:
     train_rows: int | None = None
     time_budget_hours: float | None = None  # sft.time_budget_hours: a session budget on any hardware
     pack: bool = False  # tokenize.pack: several examples a row
+    train_examples: int | None = None  # plan.train_examples: the examples packed into train_rows
     padding: Padding | None = None  # the training rows' padding (the tokenize report), when known
     padding_note: str | None = None  # why it is not known
 
