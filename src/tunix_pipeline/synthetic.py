@@ -24,7 +24,7 @@ from tunix_pipeline import answers
 
 NAMES = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun"]
 ITEMS = ["apples", "books", "coins", "pens", "shells", "stamps", "marbles", "cards"]
-TIMES_ROWS = 600  # the recipe holds out ~140 of them (issue 19 needs >= 128 held-out prompts)
+TIMES_ROWS = 600  # the recipe holds out ~140 of them (its DPO check needs >= 128 held-out prompts)
 
 
 def _problem(rng: random.Random) -> dict:
