@@ -1,5 +1,5 @@
 """The package stays legible: no import cycle between its modules, no module over ~400 lines, no function over ~60
-(issue 16's rules, with a little slack so a docstring line does not fail the build)."""
+(the project's rules, with a little slack so a docstring line does not fail the build)."""
 
 import ast
 from pathlib import Path
