@@ -13,5 +13,6 @@ HOOKS = (CredentialHooks(), OutputHooks(), RuntimeHooks(), _tracking, SessionHoo
 
 # OmegaConfigLoader, plus the training session's parameters (sessions.plan)
 CONFIG_LOADER_CLASS = SessionConfigLoader
-# "soft" merge: an environment overrides single keys, not whole sections.
-CONFIG_LOADER_ARGS = {"base_env": "base", "default_run_env": "local", "merge_strategy": {"parameters": "soft"}}
+# "soft" merge: an environment overrides single keys, not whole sections. With no --env the smoke run's
+# environment applies, so conf/base holds what every other environment can safely inherit.
+CONFIG_LOADER_ARGS = {"base_env": "base", "default_run_env": "gpu_smoke", "merge_strategy": {"parameters": "soft"}}

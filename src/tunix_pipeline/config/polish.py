@@ -25,7 +25,8 @@ class RewardParams(Strict):
 class GrpoParams(Strict):
     """GRPO polish from the SFT checkpoint with Tunix's RLCluster + GRPOLearner (vanilla rollout)."""
 
-    enabled: bool = True
+    enabled: bool = False
+    strict: bool = Field(False, description="fail the run, instead of skipping the stage, when it has nothing to learn from")
     loss_variant: Literal["grpo", "dr-grpo", "dapo"] = "grpo"
     max_steps: int = Field(gt=0)
     batch_size: int = Field(2, gt=0, description="prompts per step (x num_generations completions)")
@@ -42,8 +43,8 @@ class GrpoParams(Strict):
     beta: float = Field(0.04, ge=0, description="KL weight to the frozen SFT reference; 0: no reference model")
     epsilon: float = Field(0.2, gt=0, description="clipping epsilon")
     epsilon_high: float | None = Field(None, gt=0, description="dapo only: upper clip (default 0.28)")
-    max_prompt_length: int = Field(128, gt=0, description="longer prompts are skipped and counted")
-    max_completion_length: int = Field(64, gt=0)
+    max_prompt_length: int = Field(256, gt=0, description="longer prompts are skipped and counted")
+    max_completion_length: int = Field(256, gt=0)
     temperature: float = Field(0.9, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, gt=0)
@@ -103,7 +104,7 @@ class PairsFromRewardsParams(Strict):
     temperature: float = Field(1.0, gt=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, gt=0)
-    max_new_tokens: int = Field(64, gt=0)
+    max_new_tokens: int = Field(256, gt=0)
     batch_size: int = Field(8, gt=0, description="sequences per generation call")
     margin: float = Field(0.5, ge=0, description="keep best/worst only where their total rewards differ by this")
     seed: int = 0
@@ -115,6 +116,7 @@ class PreferenceParams(Strict):
     """Preference polish after SFT (and before GRPO) on Tunix's DPOTrainer: DPO, ORPO or SimPO."""
 
     enabled: bool = False
+    strict: bool = Field(False, description="fail the run, instead of skipping the stage, when it has nothing to learn from")
     method: Literal["dpo", "orpo", "simpo"] = "dpo"
     # from_data: `data.sources` in format `preference`; from_rewards: sampled from the SFT model
     pairs: Literal["from_data", "from_rewards"] = "from_rewards"
@@ -128,8 +130,8 @@ class PreferenceParams(Strict):
     sft_weight: float = Field(0.0, ge=0)
     # dpo: the reference log-probabilities in one pass before training, so no reference model is held
     precompute_reference: bool = False
-    max_prompt_length: int = Field(128, gt=0, description="tokens, left-padded; longer pairs are dropped and counted")
-    max_response_length: int = Field(64, gt=0, description="tokens, right-padded; longer pairs are dropped and counted")
+    max_prompt_length: int = Field(256, gt=0, description="tokens, left-padded; longer pairs are dropped and counted")
+    max_response_length: int = Field(320, gt=0, description="tokens, right-padded; longer pairs are dropped and counted")
     per_device_batch_size: int = Field(2, gt=0, description="pairs per data-parallel device")
     max_steps: int = Field(20, gt=0)
     learning_rate: float = Field(5e-6, gt=0)
