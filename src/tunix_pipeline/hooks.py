@@ -18,6 +18,7 @@ from kedro.framework.project import settings
 from pydantic import BaseModel
 
 from tunix_pipeline.config import RuntimeParams, SourceParams, TrackingParams
+from tunix_pipeline.config.validation import check_parameters, validate_section
 from tunix_pipeline.pipelines import TRAIN_SFT, TRAINING_NODES
 from tunix_pipeline.runtime import (
     check_shared_folders, configure_host_devices, initialize_distributed, is_main_process, orbax_folders,
@@ -47,8 +48,16 @@ def export_credentials(config_loader) -> None:
 
 def context_params(context) -> dict:
     """The run's parameters as plain dicts: validated by Kedro against the nodes' pydantic hints, with --params
-    overrides applied."""
-    return {k: v.model_dump() if isinstance(v, BaseModel) else v for k, v in context.params.items()}
+    overrides applied. A bad one is a `ConfigError` of one line (Kedro's own message spans pydantic's report)."""
+    from kedro.framework.project import pipelines
+    from kedro.validation.exceptions import ParameterValidationError
+
+    try:
+        params = context.params
+    except ParameterValidationError:
+        check_parameters(context.config_loader["parameters"], pipelines)  # raises the one-line error
+        raise
+    return {k: v.model_dump() if isinstance(v, BaseModel) else v for k, v in params.items()}
 
 
 def trains(pipeline) -> bool:
@@ -82,7 +91,7 @@ class RuntimeHooks:
     @hook_impl
     def after_context_created(self, context) -> None:
         self._params = context_params(context)
-        self._runtime = RuntimeParams.model_validate(self._params.get("runtime", {}))
+        self._runtime = validate_section(self._params, "runtime", RuntimeParams)
         configure_host_devices(self._runtime.host_device_count)
         initialize_distributed(self._runtime.distributed)
 
@@ -127,8 +136,8 @@ class TrackingHooks:
     @hook_impl
     def after_context_created(self, context) -> None:
         self._params = context_params(context)
-        self._tracking = TrackingParams.model_validate(self._params.get("tracking", {}))
-        self._sessions = SessionsParams.model_validate(self._params.get("sessions") or {})
+        self._tracking = validate_section(self._params, "tracking", TrackingParams)
+        self._sessions = validate_section(self._params, "sessions", SessionsParams)
         self._env = context.env
         self._project_path = context.project_path
 
@@ -146,7 +155,7 @@ class TrackingHooks:
         uri = tracking.tracking_uri(self._tracking, self._project_path)
         # The run a rerun follows: for --only-missing-outputs / --from-nodes / --to-nodes the last run of this
         # output root; for another run that trains, the run recorded beside the checkpoints it resumes
-        output_root = RuntimeParams.model_validate(self._params.get("runtime", {})).output_root
+        output_root = validate_section(self._params, "runtime", RuntimeParams).output_root
         if tracking.is_restart(run_params):
             previous = tracking.recorded_run(self._local(output_root), uri)
         else:
@@ -257,10 +266,10 @@ class SessionHooks:
     @hook_impl
     def after_context_created(self, context) -> None:
         self._params = context_params(context)
-        self._sessions = SessionsParams.model_validate(self._params.get("sessions") or {})
+        self._sessions = validate_section(self._params, "sessions", SessionsParams)
 
     def _output_root(self) -> str:
-        return RuntimeParams.model_validate(self._params.get("runtime", {})).output_root
+        return validate_section(self._params, "runtime", RuntimeParams).output_root
 
     def _ledger(self) -> Ledger:
         return Ledger.load(self._output_root(), self._sessions.previous_root)

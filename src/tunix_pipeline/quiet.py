@@ -40,6 +40,10 @@ class KnownLogLine:
     path: str  # the end of the calling file's path, e.g. "tunix/models/safetensors_loader.py"
     message: str
     reason: str
+    prefix: bool = False  # the message only starts with `message`
+
+    def matches(self, message: str) -> bool:
+        return message.startswith(self.message) if self.prefix else message == self.message
 
 
 WARNINGS = (
@@ -83,6 +87,13 @@ LOG_LINES = (
         )
         for platform in ("cpu", "gpu")
     ),
+    KnownLogLine(
+        "kedro.validation.parameter_validator",
+        "kedro/validation/parameter_validator.py",
+        "Parameter '",
+        "pydantic's multi-line report of a bad parameter; the run stops with it in one line (config/validation.py)",
+        prefix=True,
+    ),
 )
 
 
@@ -95,7 +106,7 @@ class _DropKnown(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not any(message == line.message and _emitted_from(record, line.path) for line in self.lines)
+        return not any(line.matches(message) and _emitted_from(record, line.path) for line in self.lines)
 
 
 def _emitted_from(record: logging.LogRecord, path: str) -> bool:

@@ -19,11 +19,11 @@ import json
 import time
 from pathlib import Path
 
-from kedro.config import OmegaConfigLoader
 from omegaconf import OmegaConf
 from pydantic import BaseModel, Field
 
 from tunix_pipeline.config import Strict
+from tunix_pipeline.config.validation import validate_section
 from tunix_pipeline.errors import UserError
 from tunix_pipeline.paths import is_uri, storage_path
 
@@ -126,7 +126,7 @@ def _is_absolute(path: str) -> bool:
 # ---------------------------------------------------------------- choosing the session
 def apply_current_session(params: dict, runtime_params: dict | None = None) -> dict:
     """`params` with the current session's overrides; `--params` still win. Unchanged without a plan."""
-    sessions = SessionsParams.model_validate(params.get("sessions") or {})
+    sessions = validate_section(params, "sessions", SessionsParams)
     if not sessions.plan:
         return params
     ledger = Ledger.load(params["runtime"]["output_root"], sessions.previous_root)
@@ -211,10 +211,3 @@ def over_weekly_budget(sessions: SessionsParams, ledger: Ledger) -> bool:
         return False
     return ledger.hours_this_week() + sessions.current.hours > sessions.weekly_hours
 
-
-class SessionConfigLoader(OmegaConfigLoader):
-    """Kedro's loader, with the current session applied to the parameters (for runs, notebooks and viz alike)."""
-
-    def __getitem__(self, key: str):
-        config = super().__getitem__(key)
-        return apply_current_session(config, self.runtime_params) if key == "parameters" else config

@@ -5,14 +5,14 @@ from tunix_pipeline import quiet
 quiet.install()  # before the imports below and before Kedro builds its config loader: they warn
 
 from tunix_pipeline.hooks import CredentialHooks, OutputHooks, RuntimeHooks, SessionHooks, TrackingHooks  # noqa: E402
-from tunix_pipeline.sessions import SessionConfigLoader  # noqa: E402
+from tunix_pipeline.config_loader import ProjectConfigLoader  # noqa: E402
 
 _tracking = TrackingHooks()
 # one per concern; the order between them is set by tryfirst / trylast in hooks.py, not by this tuple
 HOOKS = (CredentialHooks(), OutputHooks(), RuntimeHooks(), _tracking, SessionHooks(_tracking))
 
-# OmegaConfigLoader, plus the training session's parameters (sessions.plan)
-CONFIG_LOADER_CLASS = SessionConfigLoader
+# OmegaConfigLoader: an unknown --env named, conf/local over any environment, the session's parameters
+CONFIG_LOADER_CLASS = ProjectConfigLoader
 # "soft" merge: an environment overrides single keys, not whole sections. With no --env the smoke run's
 # environment applies, so conf/base holds what every other environment can safely inherit.
 CONFIG_LOADER_ARGS = {"base_env": "base", "default_run_env": "gpu_smoke", "merge_strategy": {"parameters": "soft"}}
