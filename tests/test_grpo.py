@@ -117,7 +117,11 @@ def test_batch_must_divide_over_the_data_devices(tiny_model_dir, tokenizer, form
         grpo.train_grpo(None, tokenizer, formatted, _params(tmp_path, micro_batch_size=1), make_mesh(MESH))
     with pytest.raises(ValueError, match=r"micro_batch_size \(3\) must divide batch_size \(4\)"):
         _params(tmp_path, batch_size=4, micro_batch_size=3)
-    with pytest.raises(grpo.GrpoError, match="no training prompt fits grpo.max_prompt_length=4"):
+    from tunix_pipeline.skips import NothingToLearn
+
+    with pytest.raises(NothingToLearn, match=rf"0 of {len(formatted)} training prompts fit grpo.max_prompt_length=4 "
+                       rf"tokens \({len(formatted)} too long\), and one batch takes grpo.batch_size=2: raise "
+                       r"grpo.max_prompt_length\Z"):
         grpo.train_grpo(None, tokenizer, formatted, _params(tmp_path, max_prompt_length=4), make_mesh(MESH))
 
 

@@ -405,8 +405,19 @@ def test_too_few_pairs_stop_before_any_weights_load(tmp_path, tokenizer):
     from tunix_pipeline.config import RuntimeParams
     from tunix_pipeline.runtime import make_mesh
 
+    from tunix_pipeline.pairs import why_too_few
+    from tunix_pipeline.skips import NothingToLearn
+
     mesh = make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
-    with pytest.raises(preference.PreferenceError,
-                       match=r"3 training pairs cannot fill one batch of 4 pairs .*dropped \{'prompt_too_long': 2"):
-        preference.check_enough_pairs(3, _params(tmp_path), mesh, {"prompt_too_long": 2, "same_tokens": 0})
-    assert preference.check_enough_pairs(4, _params(tmp_path), mesh) == 4
+    params = _params(tmp_path)
+    report = {"pairs": "from_rewards", "train": {"prompts": 64, "pairs": 3, "below_margin": 61, "equal_rewards": 58,
+                                                 "largest_reward_gap": 0.25}}
+    why = why_too_few(report, {"prompt_too_long": 2, "same_tokens": 0}, params)
+    with pytest.raises(NothingToLearn, match=r"3 training pairs cannot fill one batch of 4 pairs .*: 61 of 64 prompts' "
+                       r"best and worst of 4 samples differ by less than preference.from_rewards.margin=0.5 \(58 scored "
+                       r"all equal; the largest difference: 0.25\); tokenizing dropped \{'prompt_too_long': 2") as caught:
+        preference.check_enough_pairs(3, params, mesh, why)
+    assert "lower preference.from_rewards.margin" in caught.value.fix and caught.value.stage == "preference"
+    all_equal = {"pairs": "from_rewards", "train": {"prompts": 64, "pairs": 0, "below_margin": 64, "equal_rewards": 64}}
+    assert why_too_few(all_equal, {}, params)[0] == "all 4 samples of each of the 64 prompts scored equal rewards"
+    assert preference.check_enough_pairs(4, params, mesh) == 4

@@ -13,6 +13,8 @@ from kedro.framework.startup import bootstrap_project
 
 from tunix_pipeline.readers import DataError
 
+from .conftest import copy_project
+
 KEDRO = str(Path(sys.executable).parent / "kedro")
 
 
@@ -46,10 +48,67 @@ def test_every_environment_validates(project, env):
 
 
 def test_a_wrong_key_fails_before_any_node_runs(project):
+    from tunix_pipeline.config.validation import ConfigError
+
     (project / "conf" / "local" / "parameters.yml").write_text("sft:\n  max_step: 5\n")
-    with _session(project) as session, pytest.raises(Exception, match=r"(?s)'sft'.*max_step.*Extra inputs"):
+    with _session(project) as session, pytest.raises(
+            ConfigError, match=r"^parameters: sft.max_step: unknown setting; did you mean sft.max_steps\?$"):
         session.run(pipeline_names=["smoke"])
     assert not list((project / "data").glob("0[2-8]_*/*")), "a node ran before validation"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--env", "tpu_ful"], "unknown environment 'tpu_ful' (--env): conf/ has base, gemma3_270m_cpu, "),
+    (["--env", "tpu_ful"], "; did you mean tpu_full?"),
+    (["--params", "sft.learning_rat=1e-4"], "parameters: sft.learning_rat: unknown setting; did you mean "
+                                            "sft.learning_rate?"),
+    (["--params", "runtime.mesh={fsd: 8}"], "parameters: runtime.mesh.fsd: Input should be 'data', 'fsdp' or 'tp'"),
+    # sessions is read by the config loader and the hooks only (no node takes it): their error is as short
+    (["--params", "sessions.weekly_hour=20"], "parameters: sessions.weekly_hour: unknown setting; did you mean "
+                                              "sessions.weekly_hours?"),
+    (["--env", "tpu_full", "--params", "grpo.max_steps=0"], "parameters: grpo.max_steps: Input should be greater than 0 "
+                                                            "(got 0)"),
+])
+def test_a_user_mistake_is_one_line_without_a_traceback(project, args, message):
+    result = subprocess.run([KEDRO, "run", "--pipelines=ingest", *args], cwd=project, capture_output=True, text=True,
+                            env=os.environ)
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "validation error for" not in result.stderr + result.stdout
+    assert not list((project / "data").glob("0[2-8]_*/*")), "a node ran"
+
+
+def test_conf_local_applies_over_any_environment_and_params_over_it(project):
+    (project / "conf" / "local" / "parameters.yml").write_text("tracking:\n  experiment: mine\nsft:\n  seed: 7\n")
+    (project / "conf" / "local" / "credentials.yml").write_text("huggingface:\n  token: hf_local\n")
+    with _session(project, "tpu_full", sft={"seed": 9}) as session:
+        context = session.load_context()
+        params = context.params
+        assert context.config_loader["credentials"]["huggingface"]["token"] == "hf_local"
+    assert params["tracking"].experiment == "mine" and params["sft"].seed == 9
+    assert params["model"].source == "google/gemma-2b"  # the environment's own settings stay
+
+
+def test_an_environment_inherits_real_defaults_and_no_polish(tmp_path):
+    """conf/base is what a user's environment starts from: the polish stages off, at learning rates and lengths
+    for a pretrained model; the tiny model's sizes are the smoke run's (conf/gpu_smoke), never inherited."""
+    from tunix_pipeline.settings import CONFIG_LOADER_ARGS
+
+    project = copy_project(tmp_path / "project")
+    (project / "conf" / "mine").mkdir()
+    (project / "conf" / "mine" / "parameters.yml").write_text(
+        "model:\n  source: google/gemma-3-1b-it\nsft:\n  learning_rate: 2.0e-5\n")
+    with _session(project, "mine") as session:
+        params = session.load_context().params
+    assert CONFIG_LOADER_ARGS["default_run_env"] == "gpu_smoke"
+    assert not params["preference"].enabled and not params["grpo"].enabled
+    assert params["preference"].learning_rate == 5e-6 and params["grpo"].learning_rate == 1e-5
+    assert params["preference"].max_response_length == 320 and params["grpo"].max_completion_length == 256
+    assert params["runtime"].mesh == "auto" and params["sft"].warmup_steps == 0
+    with _session(project) as session:  # no --env: the smoke run
+        smoke = session.load_context().params
+    assert smoke["preference"].enabled and smoke["preference"].learning_rate == 5e-4 and smoke["grpo"].enabled
 
 
 def test_a_failing_node_marks_the_mlflow_run_failed(project):

@@ -118,7 +118,7 @@ def test_smoke_run_terminal_is_quiet_and_its_mlflow_run_is_complete(project):
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'data' / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("tunix_pipeline").experiment_id])[0]
     run_id, tags = run.info.run_id, run.data.tags
-    assert run.info.run_name == "smoke@local" and tags["kedro.env"] == "local"
+    assert run.info.run_name == "smoke@gpu_smoke" and tags["kedro.env"] == "gpu_smoke"  # no --env: the smoke run's
     assert tags["kedro_command"] == "kedro run --pipelines=smoke --params tracking.system_metrics.interval_s=1"
 
     # the splits as MLflow datasets: source file, digest, schema, rows, and the sources they came from
@@ -151,7 +151,7 @@ def test_smoke_run_terminal_is_quiet_and_its_mlflow_run_is_complete(project):
     # the exported model, registered with the run's lineage, loads back as a transformers pipeline
     version = client.search_model_versions("name='tunix_pipeline'")[0]
     assert (version.version, version.run_id, tags["registered_model"]) == (1, run_id, "models:/tunix_pipeline/1")
-    assert version.tags["kedro.env"] == "local" and version.tags["stage"] == "grpo"
+    assert version.tags["kedro.env"] == "gpu_smoke" and version.tags["stage"] == "grpo"
     assert version.tags["config.digest"] == tags["config.digest"]
     mlflow.set_tracking_uri(f"sqlite:///{project / 'data' / 'mlflow.db'}")
     try:

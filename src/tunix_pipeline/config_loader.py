@@ -9,12 +9,12 @@
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 
 from kedro.config import OmegaConfigLoader
 from omegaconf import OmegaConf
 
+from tunix_pipeline.config.validation import closest
 from tunix_pipeline.errors import UserError
 from tunix_pipeline.sessions import apply_current_session
 
@@ -23,12 +23,6 @@ LOCAL_ENV = "local"
 
 class UnknownEnvironment(UserError, ValueError):
     """`--env` names no folder of `conf/`."""
-
-
-def closest(name: str, choices) -> str:
-    """'; did you mean X?' for the closest of `choices` to a misspelt `name`, or ''."""
-    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return f"; did you mean {match[0]}?" if match else ""
 
 
 def environments(conf_source: str | Path) -> list[str]:

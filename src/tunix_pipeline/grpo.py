@@ -31,6 +31,7 @@ from tunix_pipeline.optim import make_optimizer
 from tunix_pipeline.paths import storage_path
 from tunix_pipeline.rewards import RewardSet
 from tunix_pipeline.runtime import barrier
+from tunix_pipeline.skips import NothingToLearn
 
 log = logging.getLogger(__name__)
 HISTORY_FILE = "grpo_history.json"
@@ -39,7 +40,7 @@ REWARD_COLUMNS = {"answer": "answer", "id": "id", "source": "source", "reference
 
 
 class GrpoError(UserError, ValueError):
-    """A GRPO set-up that cannot run (no prompts fit, batch does not divide the mesh, ...)."""
+    """A GRPO set-up that cannot run (a batch that does not divide the mesh, ...)."""
 
 
 # ---------------------------------------------------------------- data
@@ -115,7 +116,7 @@ def train_grpo(
     from tunix.rl import rl_cluster as rl_cluster_lib
 
     rewards = RewardSet(params.rewards)
-    rows, too_long = _training_prompts(train_formatted, tokenizer, params, mesh)
+    rows, too_long = training_prompts(train_formatted, tokenizer, params, mesh)
     root = storage_path(params.checkpoint_dir, "grpo.checkpoint_dir")  # a gs:// URI reaches Orbax as it is
     rollout = _rollout_config(params, tokenizer)
     algo_config, learner_cls = algorithm(params)
@@ -169,9 +170,12 @@ def train_grpo(
     }
 
 
-def _training_prompts(train_formatted: pd.DataFrame, tokenizer, params: GrpoParams, mesh) -> tuple[pd.DataFrame, int]:
-    """(the prompts that fit `max_prompt_length`, at most `max_prompts` of them; how many did not fit); refuses a
-    (micro-)batch that does not divide the mesh."""
+def training_prompts(train_formatted: pd.DataFrame, tokenizer, params: GrpoParams, mesh) -> tuple[pd.DataFrame, int]:
+    """(the prompts that fit `max_prompt_length`, at most `max_prompts` of them; how many did not fit).
+
+    A (micro-)batch that does not divide the mesh is a `GrpoError`; too few prompts to fill one batch is
+    `NothingToLearn` (the node skips the stage unless `grpo.strict`).
+    """
     from tunix_pipeline.runtime import data_parallel_size
 
     micro = (params.micro_batch_size or params.batch_size) * params.num_generations
@@ -182,9 +186,13 @@ def _training_prompts(train_formatted: pd.DataFrame, tokenizer, params: GrpoPara
             f"{data_parallel_size(mesh)} data-parallel devices of the mesh {dict(mesh.shape)}"
         )
     rows, too_long = fitting_prompts(train_formatted, tokenizer, params.max_prompt_length)
-    if not len(rows):
-        raise GrpoError(
-            f"no training prompt fits grpo.max_prompt_length={params.max_prompt_length} tokens; raise it"
+    if len(rows) < params.batch_size:
+        raise NothingToLearn(
+            "grpo",
+            f"{len(rows)} of {len(train_formatted)} training prompts fit grpo.max_prompt_length="
+            f"{params.max_prompt_length} tokens ({too_long} too long), and one batch takes grpo.batch_size="
+            f"{params.batch_size}",
+            "raise grpo.max_prompt_length" + (", or lower grpo.batch_size" if len(rows) else ""),
         )
     return prompt_pool(rows, params.max_prompts, params.seed), too_long
 

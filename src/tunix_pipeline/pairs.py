@@ -36,7 +36,7 @@ def pairs_from_rewards(model, tokenizer, formatted: pd.DataFrame, params: Prefer
     rows, too_long = fitting_prompts(formatted.head(max_prompts), tokenizer, params.max_prompt_length)
     counts = {"prompts": len(rows), "prompts_too_long": too_long, "samples": len(rows) * spec.num_samples}
     if not len(rows):
-        return pd.DataFrame(columns=REWARD_PAIR_COLUMNS), {**counts, "pairs": 0, "below_margin": 0}
+        return pd.DataFrame(columns=REWARD_PAIR_COLUMNS), {**counts, "pairs": 0, "below_margin": 0, "equal_rewards": 0}
     sampling = EvaluateParams(
         num_prompts=len(rows), max_new_tokens=spec.max_new_tokens, batch_size=spec.batch_size,
         temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, num_samples=spec.num_samples, seed=spec.seed,
@@ -50,7 +50,8 @@ def pairs_from_rewards(model, tokenizer, formatted: pd.DataFrame, params: Prefer
                if column in rows}
     total = rewards.score(np.repeat(rows["prompt"].to_numpy(), k), texts, **columns)["total"].reshape(-1, k)
     best, worst = total.argmax(axis=1), total.argmin(axis=1)
-    keep = total[np.arange(len(rows)), best] - total[np.arange(len(rows)), worst] >= max(spec.margin, 1e-9)
+    gap = total[np.arange(len(rows)), best] - total[np.arange(len(rows)), worst]
+    keep = gap >= max(spec.margin, 1e-9)
     out = []
     for i in np.flatnonzero(keep):
         row = rows.iloc[i]
@@ -58,7 +59,8 @@ def pairs_from_rewards(model, tokenizer, formatted: pd.DataFrame, params: Prefer
                     "completion": completions[i * k + best[i]], "rejected": completions[i * k + worst[i]],
                     "answer": row["answer"], "chosen_reward": float(total[i, best[i]]),
                     "rejected_reward": float(total[i, worst[i]])})
-    counts.update(pairs=len(out), below_margin=int((~keep).sum()), mean_reward=float(total.mean()))
+    counts.update(pairs=len(out), below_margin=int((~keep).sum()), equal_rewards=int((gap == 0).sum()),
+                  largest_reward_gap=float(gap.max()), mean_reward=float(total.mean()))
     return pd.DataFrame(out, columns=REWARD_PAIR_COLUMNS), counts
 
 
@@ -128,3 +130,34 @@ def pair_arrays(rows: pd.DataFrame) -> dict[str, np.ndarray]:
         if c in rows:
             out[c] = rows[c].to_numpy(np.float32)
     return out
+
+
+def why_too_few(report: dict, dropped: dict, params: PreferenceParams) -> tuple[str, str]:
+    """(why the training pairs are too few, which settings to change), from the pairs report and the pairs
+    tokenizing dropped: e.g. 'all 4 samples of each of 64 prompts scored equal rewards'."""
+    causes, fixes = [], []
+    train = report.get("train") or {}
+    if report.get("pairs") == "from_rewards":
+        spec, k = params.from_rewards, params.from_rewards.num_samples
+        if not train.get("prompts"):
+            causes.append(f"no training prompt fits preference.max_prompt_length={params.max_prompt_length} "
+                          f"({train.get('prompts_too_long', 0)} too long)")
+            fixes.append("raise preference.max_prompt_length")
+        else:
+            prompts, equal, below = train["prompts"], train.get("equal_rewards", 0), train.get("below_margin", 0)
+            if equal == prompts:
+                causes.append(f"all {k} samples of each of the {prompts} prompts scored equal rewards")
+            elif below:
+                causes.append(f"{below} of {prompts} prompts' best and worst of {k} samples differ by less than "
+                              f"preference.from_rewards.margin={spec.margin} ({equal} scored all equal; the largest "
+                              f"difference: {train.get('largest_reward_gap', 0):.3g})")
+            fixes.append("lower preference.from_rewards.margin, raise from_rewards.num_samples, temperature or "
+                         "max_prompts, or train SFT further so its samples differ in reward")
+    else:
+        causes.append(f"preference.data gave {report.get('data_quality', {}).get('train_rows', 'too few')} training pairs")
+        fixes.append("add pairs to preference.data")
+    if dropped and sum(dropped.values()):
+        causes.append(f"tokenizing dropped {dropped}")
+        fixes.append("raise preference.max_prompt_length / max_response_length")
+    fixes.append("lower preference.per_device_batch_size")
+    return "; ".join(causes), ", or ".join(fixes)

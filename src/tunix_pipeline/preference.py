@@ -26,20 +26,16 @@ from flax import nnx
 
 from tunix_pipeline import checkpoints, runtime, upstream
 from tunix_pipeline.config import PreferenceParams
-from tunix_pipeline.errors import UserError
 from tunix_pipeline.optim import make_optimizer
-from tunix_pipeline.progress import throughput_hooks, train_flops_per_token
 from tunix_pipeline.pairs import PAIR_TOKEN_COLUMNS, pair_arrays
+from tunix_pipeline.progress import throughput_hooks, train_flops_per_token
+from tunix_pipeline.skips import NothingToLearn
 from tunix_pipeline.upstream import REFERENCE_COLUMNS
 
 log = logging.getLogger(__name__)
 METRICS_PREFIX = "preference"
 AUX_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "log_probs/chosen",
                "log_probs/rejected")
-
-
-class PreferenceError(UserError, ValueError):
-    """A preference set-up that cannot run (no pairs fit, no pairs separate, ...)."""
 
 
 # ---------------------------------------------------------------- losses
@@ -202,18 +198,19 @@ def heldout_accuracy(model, rows: pd.DataFrame, params: PreferenceParams, batch_
 
 
 # ---------------------------------------------------------------- the run
-def check_enough_pairs(pairs: int, params: PreferenceParams, mesh, dropped: dict | None = None) -> int:
-    """The global batch (pairs per step); a `PreferenceError` when the training pairs cannot fill one."""
+def check_enough_pairs(pairs: int, params: PreferenceParams, mesh, why: tuple[str, str] | None = None) -> int:
+    """The global batch (pairs per step); `NothingToLearn` (why, and what to change) when the training pairs
+    cannot fill one."""
     from tunix_pipeline.runtime import data_parallel_size
 
     batch_size = params.per_device_batch_size * data_parallel_size(mesh)
     if pairs < batch_size:
-        raise PreferenceError(
+        cause, fix = why or ("", "build more pairs, or lower preference.per_device_batch_size")
+        raise NothingToLearn(
+            "preference",
             f"{pairs} training pairs cannot fill one batch of {batch_size} pairs (preference.per_device_batch_size "
-            f"x {data_parallel_size(mesh)} data-parallel devices)"
-            + (f"; tokenizing dropped {dropped}" if dropped and sum(dropped.values()) else "")
-            + ": lower preference.per_device_batch_size, raise max_prompt_length / max_response_length, or build "
-            "more pairs (from_rewards: more max_prompts, a lower margin)"
+            f"x {data_parallel_size(mesh)} data-parallel devices)" + (f": {cause}" if cause else ""),
+            fix,
         )
     return batch_size
 

@@ -6,6 +6,7 @@ multi-line text; the hooks validate theirs directly. Both come here to be said i
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import types
 import typing
@@ -19,6 +20,12 @@ M = typing.TypeVar("M", bound=BaseModel)
 
 class ConfigError(UserError, ValueError):
     """A parameter that is unknown, missing or out of range."""
+
+
+def closest(name: str, choices) -> str:
+    """'; did you mean X?' for the closest of `choices` to a misspelt `name`, or ''."""
+    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {match[0]}?" if match else ""
 
 
 def submodel(annotation) -> type[BaseModel] | None:
@@ -56,8 +63,6 @@ def one_line(section: str, model: type[BaseModel], err: ValidationError) -> str:
     Of a union's alternatives only the deepest errors are kept: `mesh: {fsd: 2}` is a bad mesh key,
     not also "should be 'auto'".
     """
-    from tunix_pipeline.config_loader import closest
-
     problems: dict[str, list[str]] = {}
     given: dict[str, str] = {}
     for error in err.errors():

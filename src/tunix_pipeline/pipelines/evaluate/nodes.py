@@ -125,6 +125,9 @@ def evaluate_after_preference(
 def _after_stage(stage, title, eval_tokens, eval_formatted, base_model, sft_result, result, model, params, runtime):
     """(metrics, samples, report) of the stage's policy against the checkpoint it started from."""
     empty = pd.DataFrame(columns=evaluation.SAMPLE_COLUMNS)
+    if result.get("skipped"):
+        return ({f"{stage}_skipped": True, "skip_reason": result["skip_reason"]}, empty,
+                evaluation.empty_report(f"{title} was skipped: {result['skip_reason']}"))
     if not result.get("enabled"):
         return {f"{stage}_enabled": False}, empty, evaluation.empty_report(f"{title} is off (`{stage}.enabled: false`)")
     if _empty_split(eval_tokens, eval_formatted):

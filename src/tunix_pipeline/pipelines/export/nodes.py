@@ -69,6 +69,10 @@ def export_model(
         "merged_lora": model.lora is not None,
         "checkpoint": str(params_dir(checkpoint_dir, step)),  # the final Orbax checkpoint, for Tunix's own code
     }
+    skipped = {name: r["skip_reason"] for name, r in (("preference", preference_result), ("grpo", grpo_result))
+               if (r or {}).get("skipped")}
+    if skipped:  # the polish stages that had nothing to learn from: the export is their parent's policy
+        result["skipped_stages"] = skipped
     if gguf:
         result["gguf_dir"] = str(storage_path(params.gguf_dir))
     return result

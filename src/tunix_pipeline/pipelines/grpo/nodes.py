@@ -2,10 +2,11 @@ import pandas as pd
 
 from tunix_pipeline.checkpoints import restore_required
 from tunix_pipeline.config import GrpoParams, ModelParams, RuntimeParams, TrackingParams
-from tunix_pipeline.grpo import train_grpo
+from tunix_pipeline.grpo import train_grpo, training_prompts
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
 from tunix_pipeline.rewards import RewardSet
 from tunix_pipeline.runtime import make_mesh
+from tunix_pipeline.skips import NothingToLearn, passed_through, skip_stage
 from tunix_pipeline.step_metrics import metrics_backends
 
 
@@ -24,12 +25,15 @@ def run_grpo(
     Either way `checkpoint_dir` is the policy the later stages use, and `sft_checkpoint_dir` / `sft_step`
     record which checkpoint it started from.
     """
-    sft = {"sft_checkpoint_dir": sft_result["checkpoint_dir"], "sft_step": sft_result["latest_step"]}
     if not grpo.enabled:
-        return {"enabled": False, "checkpoint_dir": sft_result["checkpoint_dir"], "latest_step": sft_result["latest_step"], **sft}
+        return passed_through(sft_result)
     RewardSet(grpo.rewards)  # an unknown reward or unimportable module fails now, before the model loads
     mesh = make_mesh(runtime)
     tokenizer = load_tokenizer(base_model["path"])
+    try:  # prompts that fit, before any weights load
+        training_prompts(train_formatted, tokenizer, grpo, mesh)
+    except NothingToLearn as err:
+        return skip_stage(err, grpo.strict, passed_through(sft_result))
     network, _ = load_run_model(base_model["path"], model, mesh)
     step = restore_required(network, sft_result["checkpoint_dir"], "sft", "grpo")
     backends = metrics_backends(tracking, runtime.output_root, "grpo")

@@ -16,15 +16,10 @@ from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_coun
 from tunix_pipeline.planning import peak_flops_per_device
 from tunix_pipeline.rewards import RewardSet
 from tunix_pipeline.runtime import is_main_process, make_mesh
+from tunix_pipeline.skips import NothingToLearn, passed_through, skip_stage
 from tunix_pipeline.step_metrics import metrics_backends
 
 log = logging.getLogger(__name__)
-
-
-def _passed_through(sft_result: dict) -> dict:
-    """The SFT checkpoint as the policy of the later stages, when there is no preference stage."""
-    return {"enabled": False, "checkpoint_dir": sft_result["checkpoint_dir"], "latest_step": sft_result["latest_step"],
-            "sft_checkpoint_dir": sft_result["checkpoint_dir"], "sft_step": sft_result["latest_step"]}
 
 
 def build_pairs(
@@ -68,6 +63,7 @@ def build_pairs(
 def run_preference(
     train_pairs: pd.DataFrame,
     eval_pairs: pd.DataFrame,
+    pairs_report: dict,
     base_model: dict,
     sft_result: dict,
     model: ModelParams,
@@ -76,17 +72,23 @@ def run_preference(
     tracking: TrackingParams,
     plan: PlanParams,
 ) -> dict:
-    """DPO / ORPO / SimPO from the latest SFT checkpoint; off (`preference.enabled: false`): SFT's passes through.
+    """DPO / ORPO / SimPO from the latest SFT checkpoint; off (`preference.enabled: false`) or with too few pairs
+    to fill a batch (skipped, unless `preference.strict`): SFT's passes through.
 
     Either way `checkpoint_dir` is the policy the later stages (GRPO, export) start from.
     """
     if not params.enabled:
-        return _passed_through(sft_result)
+        return passed_through(sft_result)
     tokenizer = load_tokenizer(base_model["path"])
     train_tokens, train_stats = pairs.tokenize_pairs(train_pairs, tokenizer, params)
     eval_tokens, eval_stats = pairs.tokenize_pairs(eval_pairs, tokenizer, params)
     mesh = make_mesh(runtime)
-    pref.check_enough_pairs(len(train_tokens), params, mesh, train_stats["dropped"])  # before any weights load
+    try:  # before any weights load
+        pref.check_enough_pairs(len(train_tokens), params, mesh,
+                                pairs.why_too_few(pairs_report, train_stats["dropped"], params))
+    except NothingToLearn as err:
+        return {**skip_stage(err, params.strict, passed_through(sft_result)), "method": params.method,
+                "tokenize": {"train": train_stats, "eval": eval_stats}}
     network, _ = load_run_model(base_model["path"], model, mesh)
     step = restore_required(network, sft_result["checkpoint_dir"], "sft", "preference")
     backends = metrics_backends(tracking, runtime.output_root, "preference")

@@ -22,7 +22,8 @@ def create_pipeline(**kwargs) -> Pipeline:
             Node(
                 run_preference,
                 inputs=[
-                    "preference_train_pairs", "preference_eval_pairs", "base_model", "sft_result", "params:model",
+                    "preference_train_pairs", "preference_eval_pairs", "preference_pairs_report", "base_model",
+                    "sft_result", "params:model",
                     "params:preference", "params:runtime", "params:tracking", "params:plan",
                 ],
                 outputs="preference_result",

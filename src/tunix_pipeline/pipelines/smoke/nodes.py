@@ -43,6 +43,7 @@ def check_smoke(
         "preference_heldout_pair_accuracy": [preference_result.get("heldout_pair_accuracy_before"),
                                              preference_result.get("heldout_pair_accuracy")],
         "grpo_ran": grpo_ran,
+        "skipped_stages": exported_model.get("skipped_stages", {}),
         "grpo_first_reward": grpo_result.get("first_reward"),
         "grpo_last_reward": grpo_result.get("last_reward"),
         "exported_model": exported_model["path"],
