@@ -126,10 +126,14 @@ def test_sampling_settings_are_validated():
 
 def test_training_curves_figure():
     sft = [{"step": i, "loss": 5.0 / i} for i in range(1, 6)]
-    assert len(evaluation.training_curves(sft).axes) == 1
+    assert len(evaluation.training_curves({"sft": sft}).axes) == 1
     grpo = [{"step": 1, "reward": 1.0, "kl": 0.0}, {"step": 2, "reward": 1.5, "kl": 0.01}]
-    assert len(evaluation.training_curves(sft, grpo).axes) == 3  # loss, reward and its KL twin
-    assert len(evaluation.training_curves(None).axes) == 1
+    fig = evaluation.training_curves({"sft": sft, "preference": None, "grpo": grpo})
+    assert len(fig.axes) == 3 and [ax.get_title() for ax in fig.axes[:2]] == ["SFT", "GRPO"]  # + the KL twin
+    pairs = [{"step": 1, "loss": 0.7, "rewards/margin": 0.1, "rewards/accuracy": 0.6}]
+    fig = evaluation.training_curves({"sft": sft, "preference": pairs}, titles={"preference": "DPO"})
+    assert [ax.get_title() for ax in fig.axes] == ["SFT", "DPO"]
+    assert len(evaluation.training_curves({"sft": None}).axes) == 1
 
 
 def test_empty_eval_split_gives_a_report_not_a_crash():

@@ -247,12 +247,12 @@ def test_export_ships_grpo_only_when_it_ran_from_the_current_sft_checkpoint(capl
     from tunix_pipeline.pipelines.export.nodes import final_checkpoint
 
     sft = {"checkpoint_dir": "/c/sft", "latest_step": 200}
-    ran = {"enabled": True, "checkpoint_dir": "/c/grpo/actor", "sft_checkpoint_dir": "/c/sft", "sft_step": 200}
-    assert final_checkpoint(sft, ran) == ("grpo", "/c/grpo/actor")
-    off = {"enabled": False, "checkpoint_dir": "/c/sft", "sft_checkpoint_dir": "/c/sft", "sft_step": 200}
-    assert final_checkpoint(sft, off) == ("sft", "/c/sft")
+    ran = {"enabled": True, "checkpoint_dir": "/c/grpo/actor", "start_checkpoint_dir": "/c/sft", "start_step": 200}
+    assert final_checkpoint({"sft": sft, "grpo": ran}) == ("grpo", "/c/grpo/actor")
+    off = {"enabled": False, "checkpoint_dir": "/c/sft", "start_checkpoint_dir": "/c/sft", "start_step": 200}
+    assert final_checkpoint({"sft": sft, "grpo": off}) == ("sft", "/c/sft")
     # SFT trained on after GRPO ran: the GRPO policy is stale, ship SFT and say so
-    assert final_checkpoint({**sft, "latest_step": 210}, ran) == ("sft", "/c/sft")
+    assert final_checkpoint({"sft": {**sft, "latest_step": 210}, "grpo": ran}) == ("sft", "/c/sft")
     assert "grpo_result is from SFT step 200" in caplog.text
 
 

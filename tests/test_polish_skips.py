@@ -24,7 +24,8 @@ def test_a_skipped_stage_passes_its_parent_on_and_tags_the_run(tmp_path):
         mlflow.set_tracking_uri(None)  # also unsets MLFLOW_TRACKING_URI, which later runs would inherit
     assert result == {"enabled": False, "skipped": True, "skip_reason": err.reason, "skip_fix": "lower the margin",
                       "checkpoint_dir": SFT["checkpoint_dir"], "latest_step": 30,
-                      "sft_checkpoint_dir": SFT["checkpoint_dir"], "sft_step": 30}
+                      "policy_stage": "sft", "start_stage": "sft", "start_checkpoint_dir": SFT["checkpoint_dir"],
+                      "start_step": 30}
     assert tags["preference.skipped"] == "true"
     assert tags["preference.skip_reason"] == "0 training pairs cannot fill one batch of 4 pairs: lower the margin"
     with pytest.raises(NothingToLearn, match="preference: 0 training pairs"):
@@ -59,7 +60,7 @@ def test_no_pair_passes_the_margin_so_preference_is_skipped_and_grpo_and_export_
     assert report["train"]["pairs"] == 0 and report["train"]["below_margin"] == report["train"]["prompts"] == 64
     assert (reporting / "preference_eval_report.md").read_text().count("was skipped: 0 training pairs") == 1
     # GRPO trained from the SFT checkpoint, and its policy is what was exported
-    assert grpo["enabled"] and grpo["sft_checkpoint_dir"] == sft["checkpoint_dir"] and grpo["sft_step"] == 30
+    assert grpo["enabled"] and grpo["start_checkpoint_dir"] == sft["checkpoint_dir"] and grpo["start_step"] == 30
     assert exported["stage"] == "grpo" and exported["skipped_stages"] == {"preference": preference["skip_reason"]}
     assert (project / "data" / "06_models" / "exported" / "config.json").is_file()
 
@@ -75,8 +76,8 @@ def test_the_default_dag_with_lora_and_packing_runs_to_the_export(project):
     if preference.get("skipped"):
         assert run.data.tags["preference.skip_reason"].startswith(preference["skip_reason"])
         assert exported["skipped_stages"] == {"preference": preference["skip_reason"]}
-        assert outputs["grpo_result"]["sft_checkpoint_dir"] == sft["checkpoint_dir"]
+        assert outputs["grpo_result"]["start_checkpoint_dir"] == sft["checkpoint_dir"]
     else:
         assert preference["enabled"] and "preference.skipped" not in run.data.tags
-        assert outputs["grpo_result"]["sft_checkpoint_dir"] == preference["checkpoint_dir"]
+        assert outputs["grpo_result"]["start_checkpoint_dir"] == preference["checkpoint_dir"]
     assert exported["stage"] == "grpo"

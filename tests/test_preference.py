@@ -261,15 +261,18 @@ def test_export_ships_the_last_stage_that_ran_from_the_current_checkpoint(caplog
     from tunix_pipeline.pipelines.export.nodes import final_checkpoint
 
     sft = {"checkpoint_dir": "/c/sft", "latest_step": 200}
-    pref = {"enabled": True, "checkpoint_dir": "/c/pref", "latest_step": 20, "sft_checkpoint_dir": "/c/sft", "sft_step": 200}
-    grpo = {"enabled": True, "checkpoint_dir": "/c/grpo/actor", "latest_step": 4, "sft_checkpoint_dir": "/c/pref",
-            "sft_step": 20}
+    pref = {"enabled": True, "checkpoint_dir": "/c/pref", "latest_step": 20, "start_checkpoint_dir": "/c/sft",
+            "start_step": 200}
+    grpo = {"enabled": True, "checkpoint_dir": "/c/grpo/actor", "latest_step": 4, "start_checkpoint_dir": "/c/pref",
+            "start_step": 20}
     passed = {"enabled": False, "checkpoint_dir": "/c/pref", "latest_step": 20}
-    assert final_checkpoint(sft, grpo, pref) == ("grpo", "/c/grpo/actor")  # SFT -> SimPO -> GRPO
-    assert final_checkpoint(sft, passed, pref) == ("preference", "/c/pref")  # GRPO off
-    assert final_checkpoint({**sft, "latest_step": 210}, grpo, pref) == ("sft", "/c/sft")  # both stale
+    assert final_checkpoint({"sft": sft, "preference": pref, "grpo": grpo}) == ("grpo", "/c/grpo/actor")  # SFT -> SimPO -> GRPO
+    assert final_checkpoint({"sft": sft, "preference": pref, "grpo": passed}) == ("preference", "/c/pref")  # GRPO off
+    stale_sft = {"sft": {**sft, "latest_step": 210}, "preference": pref, "grpo": grpo}
+    assert final_checkpoint(stale_sft) == ("sft", "/c/sft")  # both stale
     assert "preference_result is from SFT step 200" in caplog.text
-    assert final_checkpoint(sft, grpo, {**pref, "latest_step": 30}) == ("preference", "/c/pref")  # GRPO stale
+    grpo_stale = {"sft": sft, "preference": {**pref, "latest_step": 30}, "grpo": grpo}
+    assert final_checkpoint(grpo_stale) == ("preference", "/c/pref")
 
 
 # ---------------------------------------------------------------- pairs from the model's own samples, and from data

@@ -163,7 +163,7 @@ def test_sessions_continue_on_new_data_with_lineage(project):
     third = run(STAGES + ["grpo"])
     assert (third["steps_this_run"], third["checkpoint_dir"], third["latest_step"]) == (0, second["checkpoint_dir"], 10)
     grpo = json.loads((models / "grpo_result.json").read_text())
-    assert (grpo["sft_checkpoint_dir"], grpo["sft_step"], grpo["latest_step"]) == (second["checkpoint_dir"], 10, 1)
+    assert (grpo["start_checkpoint_dir"], grpo["start_step"], grpo["latest_step"]) == (second["checkpoint_dir"], 10, 1)
     assert grpo["checkpoint_dir"].endswith("grpo_checkpoints/polish/actor")
 
     ledger = json.loads((project / "data" / "sessions.json").read_text())

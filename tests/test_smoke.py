@@ -35,28 +35,28 @@ def test_smoke_pipeline_end_to_end_then_resume(project):
     pairs = json.loads((reporting / "preference_pairs.json").read_text())
     assert pairs["pairs"] == "from_rewards" and pairs["train"]["pairs"] >= 32 and pairs["eval"]["pairs"] >= 10
     preference = json.loads((project / "data" / "06_models" / "preference_result.json").read_text())
-    assert preference["enabled"] and preference["sft_step"] == 200 and preference["latest_step"] == 30
+    assert preference["enabled"] and preference["start_step"] == 200 and preference["latest_step"] == 30
     assert preference["reference_model"] and (project / "data" / "06_models" / "preference_checkpoints" / "30").is_dir()
     assert preference["heldout_pair_accuracy_before"] == 0.5  # the policy is its reference: every pair a tie
     assert preference["heldout_pair_accuracy"] >= 0.8
     after_pref = json.loads((reporting / "preference_eval_metrics.json").read_text())
-    assert after_pref["tuned"]["eval_loss"] == pytest.approx(metrics["tuned"]["eval_loss"])
+    assert after_pref["sft"]["eval_loss"] == pytest.approx(metrics["tuned"]["eval_loss"])
     assert after_pref["preference"]["checkpoint_step"] == 30 and smoke["checks"]["preference_model_evaluated"]
 
     # GRPO from the DPO policy, then the evaluation after it
     grpo = json.loads((project / "data" / "06_models" / "grpo_result.json").read_text())
-    assert grpo["enabled"] and grpo["sft_step"] == 30 and grpo["latest_step"] == 4 and grpo["reference_model"]
-    assert grpo["sft_checkpoint_dir"] == preference["checkpoint_dir"]
+    assert grpo["enabled"] and grpo["start_step"] == 30 and grpo["latest_step"] == 4 and grpo["reference_model"]
+    assert grpo["start_checkpoint_dir"] == preference["checkpoint_dir"] and grpo["start_stage"] == "preference"
     assert (project / "data" / "06_models" / "grpo_checkpoints" / "actor" / "4").is_dir()
     assert [h["step"] for h in grpo["history"]] == [1, 2, 3, 4]
     assert all(h["reward"] is not None and h["kl"] is not None for h in grpo["history"])
-    assert smoke["checks"]["grpo_model_evaluated"] and smoke["checks"]["grpo_model_exported"]
+    assert smoke["checks"]["grpo_model_evaluated"] and smoke["checks"]["last_trained_policy_exported"]
     after = json.loads((reporting / "grpo_eval_metrics.json").read_text())
-    assert set(after) == {"tuned", "grpo"} and after["grpo"]["checkpoint_step"] == 4
+    assert set(after) == {"preference", "grpo"} and after["grpo"]["checkpoint_step"] == 4
     # the same DPO checkpoint, rows and compiled evaluation: equal (approx only for the trip through JSON)
-    assert after["tuned"]["eval_loss"] == pytest.approx(after_pref["preference"]["eval_loss"])
+    assert after["preference"]["eval_loss"] == pytest.approx(after_pref["preference"]["eval_loss"])
     grpo_report = (reporting / "grpo_eval_report.md").read_text()
-    assert "| metric | tuned | grpo | grpo − tuned |" in grpo_report
+    assert "| metric | preference | grpo | grpo − preference |" in grpo_report
     assert "GRPO's mean reward " in grpo_report and " over 4 steps: slope " in grpo_report  # the trend, either way
     grpo_samples = [json.loads(line) for line in (project / "data" / "07_model_output" / "grpo_eval_samples.jsonl").open()]
     assert {s["model"] for s in grpo_samples} == {"tuned", "grpo"}

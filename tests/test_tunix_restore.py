@@ -67,8 +67,9 @@ def _sft(model_dir, tmp_path, lora: LoraParams | None):
 def _exported_checkpoint(model_dir, tmp_path, lora, sft_result, grpo_result=None) -> str:
     """The final checkpoint's Orbax folder, as our export node names it in `exported_model.json`."""
     exported = export_model(
-        {"path": str(model_dir)}, sft_result, {"enabled": False}, grpo_result or {"enabled": False},
-        ModelParams(lora=lora), ExportParams(output_dir=str(tmp_path / "exported")), RUNTIME, FormatParams(),
+        {"path": str(model_dir)}, ModelParams(lora=lora), ExportParams(output_dir=str(tmp_path / "exported")), RUNTIME,
+        FormatParams(), sft_result=sft_result, preference_result={"enabled": False},
+        grpo_result=grpo_result or {"enabled": False},
     )
     return exported["checkpoint"]
 
@@ -152,7 +153,7 @@ def test_lora_after_grpo_restores_onto_the_base_with_qwix(tiny_model_dir, tokeni
                       rewards=[{"fn": "tests.test_tunix_restore:distinct_chars"}])
     adapters_after_sft = _weights(trained, nnx.LoRAParam)
     grpo_result = {**train_grpo(trained, tokenizer, formatted, grpo, make_mesh(RUNTIME)),
-                   "sft_checkpoint_dir": sft_result["checkpoint_dir"], "sft_step": sft_result["latest_step"]}
+                   "start_checkpoint_dir": sft_result["checkpoint_dir"], "start_step": sft_result["latest_step"]}
     path = _exported_checkpoint(tiny_model_dir, tmp_path, LORA, sft_result, grpo_result)
     assert path == str(tmp_path / "grpo_checkpoints" / "actor" / "1" / "model_params")
     adapters = _weights(trained, nnx.LoRAParam)

@@ -340,42 +340,49 @@ def empty_report(reason: str) -> str:
 
 
 # ---------------------------------------------------------------- curves
-def training_curves(sft_history: list[dict] | None, grpo_history: list[dict] | None = None,
-                    preference_history: list[dict] | None = None, method: str = "preference"):
-    """A matplotlib figure: the SFT loss per step; when they ran, the preference stage's loss, margin and
-    accuracy, and GRPO's total reward and KL per step."""
+def training_curves(histories: dict[str, list[dict] | None], titles: dict[str, str] | None = None):
+    """A matplotlib figure, a panel per stage that has a history ({stage name: its per-step history}, SFT first):
+    SFT's loss, the preference stage's loss, margin and pair accuracy, GRPO's total reward and KL."""
     from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 
-    panels = 1 + bool(grpo_history) + bool(preference_history)
-    fig = Figure(figsize=(6 * panels, 4))
-    axes = fig.subplots(1, panels, squeeze=False)
-    ax = axes[0][0]
-    if sft_history:
-        ax.plot([h["step"] for h in sft_history], [h["loss"] for h in sft_history], label="train loss")
-        ax.set_yscale("log")
-    ax.set(title="SFT", xlabel="step", ylabel="loss")
-    ax.grid(alpha=0.3)
-    if preference_history:
-        ax = axes[0][1]
-        steps = [h["step"] for h in preference_history]
-        ax.plot(steps, [h["loss"] for h in preference_history], label="loss")
-        ax.plot(steps, [h.get("rewards/margin") for h in preference_history], label="reward margin")
-        ax.plot(steps, [h.get("rewards/accuracy") for h in preference_history], label="pair accuracy")
-        ax.set(title=method.upper(), xlabel="step")
-        ax.legend()
-        ax.grid(alpha=0.3)
-    if grpo_history:
-        ax = axes[0][-1]
-        steps = [h["step"] for h in grpo_history]
-        ax.plot(steps, [h.get("reward") for h in grpo_history], marker="o", label="total reward")
-        ax.set(title="GRPO", xlabel="step", ylabel="reward")
-        if any(h.get("kl") is not None for h in grpo_history):
-            twin = ax.twinx()
-            twin.plot(steps, [h.get("kl") for h in grpo_history], color="tab:red", alpha=0.6, label="KL")
-            twin.set_ylabel("KL")
+    drawn = [(name, history) for name, history in histories.items() if history or name == "sft"]
+    fig = Figure(figsize=(6 * len(drawn), 4))
+    axes = fig.subplots(1, len(drawn), squeeze=False)[0]
+    for ax, (name, history) in zip(axes, drawn):
+        _PANELS[name](ax, history or [])
+        ax.set_title((titles or {}).get(name, name.upper()))
         ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def _loss_panel(ax, history: list[dict]) -> None:
+    if history:
+        ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train loss")
+        ax.set_yscale("log")
+    ax.set(xlabel="step", ylabel="loss")
+
+
+def _pairs_panel(ax, history: list[dict]) -> None:
+    steps = [h["step"] for h in history]
+    ax.plot(steps, [h["loss"] for h in history], label="loss")
+    ax.plot(steps, [h.get("rewards/margin") for h in history], label="reward margin")
+    ax.plot(steps, [h.get("rewards/accuracy") for h in history], label="pair accuracy")
+    ax.set(xlabel="step")
+    ax.legend()
+
+
+def _reward_panel(ax, history: list[dict]) -> None:
+    steps = [h["step"] for h in history]
+    ax.plot(steps, [h.get("reward") for h in history], marker="o", label="total reward")
+    ax.set(xlabel="step", ylabel="reward")
+    if any(h.get("kl") is not None for h in history):
+        twin = ax.twinx()
+        twin.plot(steps, [h.get("kl") for h in history], color="tab:red", alpha=0.6, label="KL")
+        twin.set_ylabel("KL")
+
+
+_PANELS = {"sft": _loss_panel, "preference": _pairs_panel, "grpo": _reward_panel}  # by stage name
 
 
 def log_figure(fig, name: str) -> None:

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from tunix_pipeline.config import RuntimeParams, SourceParams, TrackingParams
 from tunix_pipeline.config.validation import check_parameters, validate_section
-from tunix_pipeline.pipelines import TRAIN_SFT, TRAINING_NODES
+from tunix_pipeline.stages import POLISH, SFT, STAGES, TRAINING_NODES
 from tunix_pipeline.runtime import (
     check_shared_folders, configure_host_devices, initialize_distributed, is_main_process, orbax_folders,
 )
@@ -61,7 +61,7 @@ def context_params(context) -> dict:
 
 
 def trains(pipeline) -> bool:
-    return TRAIN_SFT in {node.name for node in pipeline.nodes}
+    return SFT.train_node in {node.name for node in pipeline.nodes}
 
 
 class CredentialHooks:
@@ -295,7 +295,7 @@ class SessionHooks:
 
     @hook_impl
     def after_node_run(self, outputs: dict) -> None:
-        self._results.update({k: v for k, v in outputs.items() if k in ("sft_result", "preference_result", "grpo_result")})
+        self._results.update({k: v for k, v in outputs.items() if k in {stage.result for stage in STAGES}})
         planned = (outputs.get("sft_plan") or {}).get("hours")
         if planned is not None and self._started and self._sessions.current:
             message, over = expectation(self._sessions, self._ledger(), planned)
@@ -314,10 +314,10 @@ class SessionHooks:
         current = self._sessions.current if self._sessions else None
         if current is None or not self._started or not is_main_process():
             return
-        sft, grpo = self._results.get("sft_result"), self._results.get("grpo_result")
-        preference = self._results.get("preference_result")
+        sft = self._results.get(SFT.result)
+        polish = {stage.name: self._results.get(stage.result) or {} for stage in POLISH}
         finished = not failed and sft is not None and not sft.get("stopped_early") \
-            and sft["latest_step"] is not None and not any((r or {}).get("stopped_early") for r in (preference, grpo))
+            and sft["latest_step"] is not None and not any(r.get("stopped_early") for r in polish.values())
         ledger = self._ledger()
         run_id = self._tracking.run_id
         outcome = "failed" if failed else "finished" if finished else "stopped"
@@ -327,9 +327,8 @@ class SessionHooks:
             base = catalog.load("base_model") if catalog.exists("base_model") else {}
             if base.get("source") == "tiny" or Path(base.get("source", "")).is_dir():
                 entry["base_model_dir"] = base["path"]  # a local model (built: tiny): the next session needs this one
-            if preference and preference.get("enabled"):
-                entry.update(preference_checkpoint_dir=preference["checkpoint_dir"], preference_step=preference["latest_step"])
-            if grpo and grpo.get("enabled"):
-                entry.update(grpo_checkpoint_dir=grpo["checkpoint_dir"], grpo_step=grpo["latest_step"])
+            for name, result in polish.items():  # the policies the session trained, for the next one to start from
+                if result.get("enabled"):
+                    entry.update({f"{name}_checkpoint_dir": result["checkpoint_dir"], f"{name}_step": result["latest_step"]})
             ledger.record_finished(current.index, current.name, entry)
             log.info("session '%s' finished; the next `kedro run` starts the next session of the plan", current.name)

@@ -15,7 +15,7 @@ import numpy as np
 
 from tunix_pipeline.config import RuntimeParams, SftParams
 from tunix_pipeline.errors import UserError
-from tunix_pipeline.pipelines import RUN_GRPO, RUN_PREFERENCE, TRAIN_SFT
+from tunix_pipeline.stages import STAGES
 
 if TYPE_CHECKING:  # annotations only; jax is imported where used
     import jax
@@ -155,7 +155,7 @@ class FolderNotShared(UserError, RuntimeError):
 
 
 # the folders Orbax writes from every process together, by the node that writes them
-ORBAX_FOLDERS = {TRAIN_SFT: "sft.checkpoint_dir", RUN_PREFERENCE: "preference.checkpoint_dir", RUN_GRPO: "grpo.checkpoint_dir"}
+ORBAX_FOLDERS = {stage.train_node: stage.checkpoint_setting for stage in STAGES}
 
 
 def orbax_folders(params: dict, node_names: Iterable[str]) -> dict[str, str]:

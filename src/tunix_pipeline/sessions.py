@@ -26,10 +26,12 @@ from tunix_pipeline.config import Strict
 from tunix_pipeline.config.validation import validate_section
 from tunix_pipeline.errors import UserError
 from tunix_pipeline.paths import is_uri, storage_path
+from tunix_pipeline.stages import POLISH
 
 
 LEDGER = "sessions.json"
-PATH_KEYS = ("checkpoint_dir", "preference_checkpoint_dir", "grpo_checkpoint_dir", "base_model_dir")  # stored relative to the root when under it
+# stored relative to the root when under it
+PATH_KEYS = ("checkpoint_dir", *(f"{stage.name}_checkpoint_dir" for stage in POLISH), "base_model_dir")
 WEEK_SECONDS = 7 * 24 * 3600
 
 
@@ -142,11 +144,13 @@ def apply_current_session(params: dict, runtime_params: dict | None = None) -> d
             "time_budget_hours": session.hours,
             "init_from": parent["checkpoint_dir"] if parent else None,
         },
-        "grpo": {"checkpoint_dir": f"{params['grpo']['checkpoint_dir']}/{session.name}"},
     }
-    if "preference" in params:
-        overrides["preference"] = {"checkpoint_dir": f"{params['preference']['checkpoint_dir']}/{session.name}",
-                                   "time_budget_hours": session.hours}
+    for stage in POLISH:  # each polish stage in the session's own folder, within its hours where it has a budget
+        section = params.get(stage.name)
+        if section is not None:
+            overrides[stage.name] = {"checkpoint_dir": f"{section['checkpoint_dir']}/{session.name}"}
+            if "time_budget_hours" in section:
+                overrides[stage.name]["time_budget_hours"] = session.hours
     if parent and parent["base_model_dir"]:  # a model the pipeline built (tiny): the parent's, tokenizer and all
         overrides["model"] = {"source": parent["base_model_dir"]}
     current = CurrentSession(index=index, name=session.name, hours=session.hours, parent=parent, plan_done=plan_done)
@@ -162,7 +166,7 @@ def _parent(plan: list[Session], index: int, ledger: Ledger) -> dict | None:
         return None
     name = plan[index - 1].name
     entry = ledger.finished(name)
-    stage = next((s for s in ("grpo_", "preference_") if entry.get(f"{s}checkpoint_dir")), "")
+    stage = next((f"{s.name}_" for s in reversed(POLISH) if entry.get(f"{s.name}_checkpoint_dir")), "")
     return {
         "session": name,
         "checkpoint_dir": ledger.path_of(entry, f"{stage}checkpoint_dir"),

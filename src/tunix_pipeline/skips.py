@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from tunix_pipeline.errors import UserError
+from tunix_pipeline.stages import policy_stage, start_of
 
 log = logging.getLogger(__name__)
 MLFLOW_TAG_LIMIT = 5000  # characters of a tag value MLflow keeps
@@ -24,11 +25,12 @@ class NothingToLearn(UserError, ValueError):
         super().__init__(f"{stage}: {reason}: {fix}")
 
 
-def passed_through(parent: dict) -> dict:
+def passed_through(parent_result: dict) -> dict:
     """The result of a stage that did not train (off or skipped): its parent's policy, which the later stages use,
-    recorded as where it would have started (`sft_checkpoint_dir` / `sft_step`, as a trained stage's are)."""
-    return {"enabled": False, "checkpoint_dir": parent["checkpoint_dir"], "latest_step": parent["latest_step"],
-            "sft_checkpoint_dir": parent["checkpoint_dir"], "sft_step": parent["latest_step"]}
+    and where it would have started (`start_*`, as a trained stage records them)."""
+    return {"enabled": False, "checkpoint_dir": parent_result["checkpoint_dir"],
+            "latest_step": parent_result["latest_step"], "policy_stage": policy_stage(parent_result),
+            **start_of(parent_result)}
 
 
 def skip_stage(err: NothingToLearn, strict: bool, parent_policy: dict) -> dict:

@@ -8,6 +8,7 @@ from tunix_pipeline.checkpoints import restore_required
 from tunix_pipeline.config import EvaluateParams, ModelParams, RuntimeParams
 from tunix_pipeline.models import load_run_model, load_tokenizer
 from tunix_pipeline.runtime import make_mesh
+from tunix_pipeline.stages import Stage
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def evaluate_models(
     runtime: RuntimeParams,
 ):
     """The same metrics for the base and the fine-tuned model: loss on the eval rows, generation on a few."""
-    curve = evaluation.training_curves(sft_result.get("loss_history"))
+    curve = evaluation.training_curves({"sft": sft_result.get("loss_history")})
     evaluation.log_figure(curve, "loss_curve.png")
     if _empty_split(eval_tokens, eval_formatted):
         reason = "the eval split is empty (set `ingest.eval_fraction` above 0)"
@@ -83,53 +84,42 @@ def evaluate_models(
     return results, pd.concat(samples, ignore_index=True), report, curve
 
 
-def evaluate_after_grpo(
-    eval_tokens: pd.DataFrame,
-    eval_formatted: pd.DataFrame,
-    base_model: dict,
-    sft_result: dict,
-    grpo_result: dict,
-    model: ModelParams,
-    params: EvaluateParams,
-    runtime: RuntimeParams,
-):
-    """The GRPO policy beside the checkpoint it started from (SFT's, or the preference stage's).
+def evaluate_after(stage: Stage):
+    """The node that measures a polish stage's policy beside the policy it started from (its parent's: SFT's, or
+    the preference stage's), both here (one compiled sampler serves both), so the stage's pipeline runs from a
+    checkpoint alone; the base model is in the first evaluation's report."""
 
-    Both are measured here (one compiled sampler serves both), so the `grpo` pipeline runs
-    from a checkpoint alone; the base model is in the first evaluation's report.
-    """
-    curve = evaluation.training_curves(sft_result.get("loss_history"), grpo_result.get("history"))
-    evaluation.log_figure(curve, "grpo_curves.png")
-    return (*_after_stage("grpo", "GRPO", eval_tokens, eval_formatted, base_model, sft_result, grpo_result, model,
-                          params, runtime), curve)
+    def evaluate_after_stage(
+        eval_tokens: pd.DataFrame,
+        eval_formatted: pd.DataFrame,
+        base_model: dict,
+        sft_result: dict,
+        result: dict,
+        model: ModelParams,
+        params: EvaluateParams,
+        runtime: RuntimeParams,
+    ):
+        title = result.get("method", stage.title).upper() if stage.name == "preference" else stage.title
+        curve = evaluation.training_curves({"sft": sft_result.get("loss_history"), stage.name: result.get("history")},
+                                           titles={stage.name: title})
+        evaluation.log_figure(curve, f"{stage.name}_curves.png")
+        return (*_after_stage(stage, title, eval_tokens, eval_formatted, base_model, sft_result, result, model,
+                              params, runtime), curve)
 
-
-def evaluate_after_preference(
-    eval_tokens: pd.DataFrame,
-    eval_formatted: pd.DataFrame,
-    base_model: dict,
-    sft_result: dict,
-    preference_result: dict,
-    model: ModelParams,
-    params: EvaluateParams,
-    runtime: RuntimeParams,
-):
-    """The DPO / ORPO / SimPO policy beside the SFT checkpoint it started from, as after GRPO."""
-    method = preference_result.get("method", "preference")
-    curve = evaluation.training_curves(sft_result.get("loss_history"), None, preference_result.get("history"), method)
-    evaluation.log_figure(curve, "preference_curves.png")
-    return (*_after_stage("preference", method.upper(), eval_tokens, eval_formatted, base_model, sft_result,
-                          preference_result, model, params, runtime), curve)
+    evaluate_after_stage.__name__ = evaluate_after_stage.__qualname__ = f"evaluate_after_{stage.name}"
+    return evaluate_after_stage
 
 
-def _after_stage(stage, title, eval_tokens, eval_formatted, base_model, sft_result, result, model, params, runtime):
-    """(metrics, samples, report) of the stage's policy against the checkpoint it started from."""
+def _after_stage(stage: Stage, title, eval_tokens, eval_formatted, base_model, sft_result, result, model, params,
+                 runtime):
+    """(metrics, samples, report) of the stage's policy against the policy it started from."""
     empty = pd.DataFrame(columns=evaluation.SAMPLE_COLUMNS)
     if result.get("skipped"):
-        return ({f"{stage}_skipped": True, "skip_reason": result["skip_reason"]}, empty,
+        return ({f"{stage.name}_skipped": True, "skip_reason": result["skip_reason"]}, empty,
                 evaluation.empty_report(f"{title} was skipped: {result['skip_reason']}"))
     if not result.get("enabled"):
-        return {f"{stage}_enabled": False}, empty, evaluation.empty_report(f"{title} is off (`{stage}.enabled: false`)")
+        return ({f"{stage.name}_enabled": False}, empty,
+                evaluation.empty_report(f"{title} is off (`{stage.name}.enabled: false`)"))
     if _empty_split(eval_tokens, eval_formatted):
         reason = "the eval split is empty (set `ingest.eval_fraction` above 0)"
         return {"empty_eval_split": True}, empty, evaluation.empty_report(reason)
@@ -137,9 +127,10 @@ def _after_stage(stage, title, eval_tokens, eval_formatted, base_model, sft_resu
         harness_lib.check(params.harness)  # before any weights load
     network, evaluator = _evaluator(eval_tokens, eval_formatted, base_model, sft_result, model, params, runtime)
     harness = _harness(network, evaluator, base_model, eval_formatted, params)
+    start = result["start_stage"]  # the policy it started from, labelled with the stage that trained it
     results, samples, harness_results = {}, [], {}
-    for label, checkpoint_dir in (("tuned", result["sft_checkpoint_dir"]), (stage, result["checkpoint_dir"])):
-        step = restore_required(network, checkpoint_dir, "sft" if label == "tuned" else stage, "evaluate")
+    for label, checkpoint_dir in ((start, result["start_checkpoint_dir"]), (stage.name, result["checkpoint_dir"])):
+        step = restore_required(network, checkpoint_dir, label, "evaluate")
         results[label], rows = evaluator.measure(label)
         results[label]["checkpoint_step"] = step
         samples.append(rows)
@@ -148,11 +139,11 @@ def _after_stage(stage, title, eval_tokens, eval_formatted, base_model, sft_resu
     if harness:
         harness.close()
     if "heldout_pair_accuracy" in result:
-        results[stage]["heldout_pair_accuracy"] = result["heldout_pair_accuracy"]
-        results["tuned"]["heldout_pair_accuracy"] = result["heldout_pair_accuracy_before"]
-    report = f"# Evaluation after {title}\n\n" + evaluation.markdown_table(results, delta=("tuned", stage))
+        results[stage.name]["heldout_pair_accuracy"] = result["heldout_pair_accuracy"]
+        results[start]["heldout_pair_accuracy"] = result["heldout_pair_accuracy_before"]
+    report = f"# Evaluation after {title}\n\n" + evaluation.markdown_table(results, delta=(start, stage.name))
     if result.get("reward_trend"):
         rewards = ", ".join(f"{h['reward']:.2f}" for h in result["history"] if h.get("reward") is not None)
         report += f"\nGRPO's {result['reward_trend']['summary']} ({rewards}).\n"
-    report = _with_harness(results, report, harness_results, ("tuned", stage))
+    report = _with_harness(results, report, harness_results, (start, stage.name))
     return results, pd.concat(samples, ignore_index=True), report

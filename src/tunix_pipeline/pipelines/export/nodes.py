@@ -7,46 +7,46 @@ from tunix_pipeline.models import export_pretrained, load_run_model, load_tokeni
 from tunix_pipeline.models.gguf_export import tuned_chat_template
 from tunix_pipeline.paths import local_folder, storage_path
 from tunix_pipeline.runtime import make_mesh
+from tunix_pipeline.stages import POLISH, SFT, STAGES
 
 log = logging.getLogger(__name__)
 
 
-STAGE_NAMES = {"sft": "SFT", "preference": "preference", "grpo": "GRPO"}
-
-
-def final_checkpoint(sft_result: dict, grpo_result: dict, preference_result: dict | None = None) -> tuple[str, str]:
-    """(stage, checkpoint dir) of the policy to ship: the last stage of SFT -> preference -> GRPO that ran from the
-    current checkpoint of the stage before it (a stage left over from an earlier SFT run is not shipped)."""
-    stage, current = "sft", (sft_result["checkpoint_dir"], sft_result["latest_step"])
-    for name, result in (("preference", preference_result or {}), ("grpo", grpo_result)):
-        start = (result.get("sft_checkpoint_dir"), result.get("sft_step"))
+def final_checkpoint(results: dict[str, dict]) -> tuple[str, str]:
+    """(stage, checkpoint dir) of the policy to ship, from {stage name: its result}: the last stage of the chain
+    that trained from the current policy of the stages before it (a result left over from an earlier run of an
+    earlier stage is not shipped)."""
+    stage, current = SFT, (results[SFT.name]["checkpoint_dir"], results[SFT.name]["latest_step"])
+    for polish in POLISH:
+        result = results.get(polish.name) or {}
         if not result.get("enabled"):
             continue
+        start = (result.get("start_checkpoint_dir"), result.get("start_step"))
         if start == current:
-            stage, current = name, (result["checkpoint_dir"], result.get("latest_step"))
+            stage, current = polish, (result["checkpoint_dir"], result.get("latest_step"))
             continue
         log.warning(
-            "export: %s_result is from %s step %s in %s, not the current %s in %s; exporting the %s checkpoint "
-            "(run the `%s` pipeline first to export its policy)", name, STAGE_NAMES[stage], start[1], start[0],
-            current[1], current[0], STAGE_NAMES[stage], name,
+            "export: %s is from %s step %s in %s, not the current %s in %s; exporting the %s checkpoint "
+            "(run the `%s` pipeline first to export its policy)", polish.result, stage.title, start[1], start[0],
+            current[1], current[0], stage.title, polish.name,
         )
-    return stage, current[0]
+    return stage.name, current[0]
 
 
 def export_model(
     base_model: dict,
-    sft_result: dict,
-    preference_result: dict,
-    grpo_result: dict,
     model: ModelParams,
     params: ExportParams,
     runtime: RuntimeParams,
     format_params: FormatParams,
+    **stage_results: dict,
 ) -> dict:
-    """The latest checkpoint (GRPO's or the preference stage's when they ran, else SFT's), LoRA merged, as a Hugging Face folder; with
-    `formats: [hf, gguf]` also as GGUF files and an Ollama Modelfile (with the chat template it was tuned with)."""
+    """The last trained policy (`final_checkpoint` of `stage_results`, {"<stage>_result": ...}), LoRA merged, as a
+    Hugging Face folder; with `formats: [hf, gguf]` also as GGUF files and an Ollama Modelfile (with the chat
+    template it was tuned with)."""
+    results = {stage.name: stage_results.get(stage.result) for stage in STAGES}
     network, _ = load_run_model(base_model["path"], model, make_mesh(runtime), quantize=False)
-    stage, checkpoint_dir = final_checkpoint(sft_result, grpo_result, preference_result)
+    stage, checkpoint_dir = final_checkpoint(results)
     step = restore_required(network, checkpoint_dir, stage, "export")
     tokenizer = load_tokenizer(base_model["path"])
     gguf = "gguf" in params.formats
@@ -69,8 +69,7 @@ def export_model(
         "merged_lora": model.lora is not None,
         "checkpoint": str(params_dir(checkpoint_dir, step)),  # the final Orbax checkpoint, for Tunix's own code
     }
-    skipped = {name: r["skip_reason"] for name, r in (("preference", preference_result), ("grpo", grpo_result))
-               if (r or {}).get("skipped")}
+    skipped = {name: r["skip_reason"] for name, r in results.items() if (r or {}).get("skipped")}
     if skipped:  # the polish stages that had nothing to learn from: the export is their parent's policy
         result["skipped_stages"] = skipped
     if gguf:

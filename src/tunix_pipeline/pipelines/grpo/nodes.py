@@ -7,41 +7,40 @@ from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_coun
 from tunix_pipeline.rewards import RewardSet
 from tunix_pipeline.runtime import make_mesh
 from tunix_pipeline.skips import NothingToLearn, passed_through, skip_stage
+from tunix_pipeline.stages import GRPO, policy_stage, start_of
 from tunix_pipeline.step_metrics import metrics_backends
 
 
 def run_grpo(
     train_formatted: pd.DataFrame,
     base_model: dict,
-    sft_result: dict,
+    parent_result: dict,
     model: ModelParams,
     grpo: GrpoParams,
     runtime: RuntimeParams,
     tracking: TrackingParams,
 ) -> dict:
-    """GRPO from the policy before it; with `grpo.enabled: false` that policy passes through.
-
-    `sft_result` is the `preference_result`: the preference stage's policy, or SFT's passed through it.
-    Either way `checkpoint_dir` is the policy the later stages use, and `sft_checkpoint_dir` / `sft_step`
-    record which checkpoint it started from.
-    """
+    """GRPO from its parent's policy (the preference stage's, or SFT's passed through it); off, or with no prompt
+    that fits (skipped, unless `grpo.strict`): that policy passes through. Either way `checkpoint_dir` is the policy
+    the later stages use, and `start_*` record where it started."""
     if not grpo.enabled:
-        return passed_through(sft_result)
+        return passed_through(parent_result)
     RewardSet(grpo.rewards)  # an unknown reward or unimportable module fails now, before the model loads
     mesh = make_mesh(runtime)
     tokenizer = load_tokenizer(base_model["path"])
     try:  # prompts that fit, before any weights load
         training_prompts(train_formatted, tokenizer, grpo, mesh)
     except NothingToLearn as err:
-        return skip_stage(err, grpo.strict, passed_through(sft_result))
+        return skip_stage(err, grpo.strict, passed_through(parent_result))
     network, _ = load_run_model(base_model["path"], model, mesh)
-    step = restore_required(network, sft_result["checkpoint_dir"], "sft", "grpo")
+    step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), "grpo")
     backends = metrics_backends(tracking, runtime.output_root, "grpo")
     result = train_grpo(network, tokenizer, train_formatted, grpo, mesh, backends)
     return {
         **result,
-        "sft_checkpoint_dir": sft_result["checkpoint_dir"],
-        "sft_step": step,
+        "policy_stage": GRPO.name,
+        **start_of(parent_result),
+        "start_step": step,
         **parameter_counts(network),
         "lora": model.lora is not None,
         "mesh": dict(mesh.shape),

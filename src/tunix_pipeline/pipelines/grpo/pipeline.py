@@ -1,37 +1,32 @@
 from kedro.pipeline import Node, Pipeline
 
-from tunix_pipeline.pipelines import RUN_GRPO
-from tunix_pipeline.pipelines.evaluate.nodes import evaluate_after_grpo
+from tunix_pipeline.pipelines.evaluate.nodes import evaluate_after
+from tunix_pipeline.stages import GRPO
 
 from .nodes import run_grpo
 
 
 def create_pipeline(**kwargs) -> Pipeline:
+    """GRPO from its parent's policy, then the evaluation after it."""
     return Pipeline(
         [
             Node(
                 run_grpo,
                 inputs=[
-                    "train_formatted", "base_model", "preference_result", "params:model", "params:grpo", "params:runtime",
+                    "train_formatted", "base_model", GRPO.parent_result, "params:model", "params:grpo", "params:runtime",
                     "params:tracking",
                 ],
-                outputs="grpo_result",
-                name=RUN_GRPO,
+                outputs=GRPO.result,
+                name=GRPO.train_node,
             ),
             Node(
-                evaluate_after_grpo,
+                evaluate_after(GRPO),
                 inputs=[
-                    "eval_tokens",
-                    "eval_formatted",
-                    "base_model",
-                    "sft_result",
-                    "grpo_result",
-                    "params:model",
-                    "params:evaluate",
-                    "params:runtime",
+                    "eval_tokens", "eval_formatted", "base_model", "sft_result", GRPO.result, "params:model",
+                    "params:evaluate", "params:runtime",
                 ],
-                outputs=["grpo_eval_metrics", "grpo_eval_samples", "grpo_eval_report", "grpo_curves"],
-                name="evaluate_after_grpo",
+                outputs=GRPO.eval_outputs(),
+                name=f"evaluate_after_{GRPO.name}",
             ),
         ]
     )

@@ -17,6 +17,7 @@ from tunix_pipeline.planning import peak_flops_per_device
 from tunix_pipeline.rewards import RewardSet
 from tunix_pipeline.runtime import is_main_process, make_mesh
 from tunix_pipeline.skips import NothingToLearn, passed_through, skip_stage
+from tunix_pipeline.stages import PREFERENCE, policy_stage, start_of
 from tunix_pipeline.step_metrics import metrics_backends
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ def build_pairs(
     train_formatted: pd.DataFrame,
     eval_formatted: pd.DataFrame,
     base_model: dict,
-    sft_result: dict,
+    parent_result: dict,
     model: ModelParams,
     params: PreferenceParams,
     grpo: GrpoParams,
@@ -34,7 +35,8 @@ def build_pairs(
     runtime: RuntimeParams,
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """(train pairs, held-out pairs, report): from `preference.data` (ingested and formatted as SFT's data is),
-    or sampled from the SFT model and scored with the rewards (`from_rewards`; eval pairs from the eval prompts)."""
+    or sampled from the parent's policy (SFT's) and scored with the rewards (`from_rewards`; eval pairs from the eval
+    prompts)."""
     empty = pd.DataFrame(columns=pairs.REWARD_PAIR_COLUMNS)
     if not params.enabled:
         return empty, empty, {"enabled": False}
@@ -47,13 +49,13 @@ def build_pairs(
     rewards = RewardSet(spec.rewards or grpo.rewards)  # a bad reward fails before the model loads
     mesh = make_mesh(runtime)
     network, _ = load_run_model(base_model["path"], model, mesh, quantize=False)
-    step = restore_required(network, sft_result["checkpoint_dir"], "sft", "preference")
+    step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), "preference")
     train, train_counts = pairs.pairs_from_rewards(network, tokenizer, train_formatted, params, rewards, mesh,
                                                   spec.max_prompts)
     held_out, eval_counts = pairs.pairs_from_rewards(network, tokenizer, eval_formatted, params, rewards, mesh,
                                                     spec.eval_prompts)
-    report = {"enabled": True, "pairs": "from_rewards", "sft_checkpoint_dir": sft_result["checkpoint_dir"],
-              "sft_step": step, "rewards": dict(rewards.weights), "margin": spec.margin,
+    report = {"enabled": True, "pairs": "from_rewards", **start_of(parent_result), "start_step": step,
+              "rewards": dict(rewards.weights), "margin": spec.margin,
               "train": train_counts, "eval": eval_counts}
     log.info("preference pairs from rewards: %d train pairs of %d prompts, %d held-out",
              len(train), train_counts["prompts"], len(held_out))
@@ -65,20 +67,20 @@ def run_preference(
     eval_pairs: pd.DataFrame,
     pairs_report: dict,
     base_model: dict,
-    sft_result: dict,
+    parent_result: dict,
     model: ModelParams,
     params: PreferenceParams,
     runtime: RuntimeParams,
     tracking: TrackingParams,
     plan: PlanParams,
 ) -> dict:
-    """DPO / ORPO / SimPO from the latest SFT checkpoint; off (`preference.enabled: false`) or with too few pairs
-    to fill a batch (skipped, unless `preference.strict`): SFT's passes through.
+    """DPO / ORPO / SimPO from the parent's policy (SFT's); off (`preference.enabled: false`) or with too few pairs
+    to fill a batch (skipped, unless `preference.strict`): the parent's passes through.
 
     Either way `checkpoint_dir` is the policy the later stages (GRPO, export) start from.
     """
     if not params.enabled:
-        return passed_through(sft_result)
+        return passed_through(parent_result)
     tokenizer = load_tokenizer(base_model["path"])
     train_tokens, train_stats = pairs.tokenize_pairs(train_pairs, tokenizer, params)
     eval_tokens, eval_stats = pairs.tokenize_pairs(eval_pairs, tokenizer, params)
@@ -87,10 +89,10 @@ def run_preference(
         pref.check_enough_pairs(len(train_tokens), params, mesh,
                                 pairs.why_too_few(pairs_report, train_stats["dropped"], params))
     except NothingToLearn as err:
-        return {**skip_stage(err, params.strict, passed_through(sft_result)), "method": params.method,
+        return {**skip_stage(err, params.strict, passed_through(parent_result)), "method": params.method,
                 "tokenize": {"train": train_stats, "eval": eval_stats}}
     network, _ = load_run_model(base_model["path"], model, mesh)
-    step = restore_required(network, sft_result["checkpoint_dir"], "sft", "preference")
+    step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), "preference")
     backends = metrics_backends(tracking, runtime.output_root, "preference")
     result = pref.train_preference(network, train_tokens, eval_tokens, params, mesh, backends,
                                    peak_flops_per_device(plan, runtime))
@@ -101,8 +103,9 @@ def run_preference(
                 client.log_metric(run_id, f"{pref.METRICS_PREFIX}/eval/pair_accuracy", result[key], step=at)
     return {
         **result,
-        "sft_checkpoint_dir": sft_result["checkpoint_dir"],
-        "sft_step": step,
+        "policy_stage": PREFERENCE.name,
+        **start_of(parent_result),
+        "start_step": step,
         "tokenize": {"train": train_stats, "eval": eval_stats},
         **parameter_counts(network),
         "lora": model.lora is not None,

@@ -1,19 +1,19 @@
 from kedro.pipeline import Node, Pipeline
 
-from tunix_pipeline.pipelines import RUN_PREFERENCE
-from tunix_pipeline.pipelines.evaluate.nodes import evaluate_after_preference
+from tunix_pipeline.pipelines.evaluate.nodes import evaluate_after
+from tunix_pipeline.stages import PREFERENCE
 
 from .nodes import build_pairs, run_preference
 
 
 def create_pipeline(**kwargs) -> Pipeline:
-    """SFT -> pairs -> DPO / ORPO / SimPO -> its evaluation; GRPO (when on) starts from `preference_result`."""
+    """Pairs -> DPO / ORPO / SimPO from its parent's policy (SFT's) -> its evaluation."""
     return Pipeline(
         [
             Node(
                 build_pairs,
                 inputs=[
-                    "train_formatted", "eval_formatted", "base_model", "sft_result", "params:model",
+                    "train_formatted", "eval_formatted", "base_model", PREFERENCE.parent_result, "params:model",
                     "params:preference", "params:grpo", "params:format", "params:runtime",
                 ],
                 outputs=["preference_train_pairs", "preference_eval_pairs", "preference_pairs_report"],
@@ -23,22 +23,20 @@ def create_pipeline(**kwargs) -> Pipeline:
                 run_preference,
                 inputs=[
                     "preference_train_pairs", "preference_eval_pairs", "preference_pairs_report", "base_model",
-                    "sft_result", "params:model",
-                    "params:preference", "params:runtime", "params:tracking", "params:plan",
+                    PREFERENCE.parent_result, "params:model", "params:preference", "params:runtime",
+                    "params:tracking", "params:plan",
                 ],
-                outputs="preference_result",
-                name=RUN_PREFERENCE,
+                outputs=PREFERENCE.result,
+                name=PREFERENCE.train_node,
             ),
             Node(
-                evaluate_after_preference,
+                evaluate_after(PREFERENCE),
                 inputs=[
-                    "eval_tokens", "eval_formatted", "base_model", "sft_result", "preference_result",
+                    "eval_tokens", "eval_formatted", "base_model", "sft_result", PREFERENCE.result,
                     "params:model", "params:evaluate", "params:runtime",
                 ],
-                outputs=[
-                    "preference_eval_metrics", "preference_eval_samples", "preference_eval_report", "preference_curves",
-                ],
-                name="evaluate_after_preference",
+                outputs=PREFERENCE.eval_outputs(),
+                name=f"evaluate_after_{PREFERENCE.name}",
             ),
         ]
     )

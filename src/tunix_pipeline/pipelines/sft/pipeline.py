@@ -1,6 +1,6 @@
 from kedro.pipeline import Node, Pipeline
 
-from tunix_pipeline.pipelines import TRAIN_SFT
+from tunix_pipeline.stages import SFT
 from tunix_pipeline.pipelines.plan.nodes import check_sft_fits
 
 from .nodes import train_sft
@@ -27,7 +27,7 @@ def create_pipeline(**kwargs) -> Pipeline:
                     "params:runtime", "params:tracking", "params:plan",
                 ],
                 outputs="sft_result",
-                name=TRAIN_SFT,
+                name=SFT.train_node,
             ),
         ]
     )

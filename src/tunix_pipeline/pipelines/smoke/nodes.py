@@ -1,13 +1,13 @@
 from tunix_pipeline.paths import storage_path
+from tunix_pipeline.stages import POLISH, SFT
 
 MAX_LOSS_RATIO = 0.6
 
 
-def check_smoke(
-    sft_result: dict, eval_metrics: dict, preference_result: dict, preference_eval_metrics: dict, grpo_result: dict,
-    grpo_eval_metrics: dict, exported_model: dict
-) -> dict:
-    """The smoke run's pass criteria; raises (failing the run) when one is missed."""
+def check_smoke(exported_model: dict, eval_metrics: dict, **stage_outputs: dict) -> dict:
+    """The smoke run's pass criteria; raises (failing the run) when one is missed. `stage_outputs` holds every
+    stage's result and every polish stage's evaluation metrics, by dataset name."""
+    sft_result = stage_outputs[SFT.result]
     first, last = sft_result["first_loss"], sft_result["last_loss"]
     checkpoint = storage_path(sft_result["checkpoint_dir"]) / str(sft_result["latest_step"])
     checks = {
@@ -16,22 +16,21 @@ def check_smoke(
         "tuned_model_evaluated": "eval_loss" in eval_metrics.get("tuned", {}),
         "exported": (storage_path(exported_model["path"]) / "config.json").is_file(),
     }
-    preference_ran = bool(preference_result.get("enabled"))
-    if preference_ran:  # a few preference steps: its curves, a checkpoint, held-out pairs scored, the policy evaluated
-        history = preference_result.get("history") or []
-        checks["preference_checkpoint_written"] = (
-            storage_path(preference_result["checkpoint_dir"]) / str(preference_result["latest_step"])
-        ).is_dir()
-        checks["preference_curves_logged"] = bool(history) and all(h.get("rewards/margin") is not None for h in history)
-        checks["preference_pairs_scored"] = preference_result.get("heldout_pair_accuracy") is not None
-        checks["preference_model_evaluated"] = "eval_loss" in preference_eval_metrics.get("preference", {})
-    grpo_ran = bool(grpo_result.get("enabled"))
-    if grpo_ran:  # a few GRPO steps: rewards and KL logged, a checkpoint, and the policy evaluated
-        history = grpo_result.get("history") or []
-        checks["grpo_checkpoint_written"] = (storage_path(grpo_result["checkpoint_dir"]) / str(grpo_result["latest_step"])).is_dir()
-        checks["grpo_rewards_logged"] = bool(history) and all(h.get("reward") is not None for h in history)
-        checks["grpo_model_evaluated"] = "eval_loss" in grpo_eval_metrics.get("grpo", {})
-        checks["grpo_model_exported"] = exported_model.get("stage") == "grpo"
+    ran = {}
+    for stage in POLISH:  # a stage that trained: a checkpoint, its curves every step, its policy evaluated
+        result = stage_outputs[stage.result]
+        ran[stage.name] = bool(result.get("enabled"))
+        if not ran[stage.name]:
+            continue
+        history = result.get("history") or []
+        checks[f"{stage.name}_checkpoint_written"] = (
+            storage_path(result["checkpoint_dir"]) / str(result["latest_step"])).is_dir()
+        checks[f"{stage.name}_curves_logged"] = bool(history) and all(
+            h.get(key) is not None for h in history for key in stage.history_keys)
+        checks[f"{stage.name}_model_evaluated"] = "eval_loss" in stage_outputs[stage.eval_outputs()[0]].get(stage.name, {})
+    last_trained = next((stage.name for stage in reversed(POLISH) if ran[stage.name]), SFT.name)
+    checks["last_trained_policy_exported"] = exported_model.get("stage") == last_trained
+    preference, grpo = (stage_outputs.get(f"{name}_result") or {} for name in ("preference", "grpo"))
     report = {
         "passed": all(checks.values()),
         "checks": checks,
@@ -39,13 +38,12 @@ def check_smoke(
         "last_loss": last,
         "loss_ratio": last / first if first else None,
         "checkpoint": str(checkpoint),
-        "preference_ran": preference_ran,
-        "preference_heldout_pair_accuracy": [preference_result.get("heldout_pair_accuracy_before"),
-                                             preference_result.get("heldout_pair_accuracy")],
-        "grpo_ran": grpo_ran,
+        "stages_trained": ran,
         "skipped_stages": exported_model.get("skipped_stages", {}),
-        "grpo_first_reward": grpo_result.get("first_reward"),
-        "grpo_last_reward": grpo_result.get("last_reward"),
+        "preference_heldout_pair_accuracy": [preference.get("heldout_pair_accuracy_before"),
+                                             preference.get("heldout_pair_accuracy")],
+        "grpo_first_reward": grpo.get("first_reward"),
+        "grpo_last_reward": grpo.get("last_reward"),
         "exported_model": exported_model["path"],
     }
     if not report["passed"]:
