@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 from pydantic import ValidationError
 
-from tunix_pipeline import evaluation
+from tunix_pipeline import evaluation, generation
 from tunix_pipeline.config import EvaluateParams, ModelParams, RuntimeParams
 from tunix_pipeline.evaluation import answers_match, exact_match, majority_answer, markdown_table, pass_at_k, score
 
@@ -161,7 +161,7 @@ def tiny(tiny_model_dir):
 
 def test_prompt_lengths_count_like_the_sampler(tokenizer):
     prompts = ["<bos><start_of_turn>user\nAda has 3 apples.<end_of_turn>\n<start_of_turn>model\n", "hello"]
-    lengths = evaluation.prompt_lengths(tokenizer, prompts)
+    lengths = generation.prompt_lengths(tokenizer, prompts)
     from tunix.generate import sampler as sampler_lib
 
     sampler = object.__new__(sampler_lib.Sampler)  # only its tokenize(), which needs the tokenizer
@@ -178,7 +178,7 @@ def test_generation_batches_reuse_one_sampler_and_see_new_weights(tiny, tokenize
     model, mesh = tiny
     prompts = [f"<bos><start_of_turn>user\nAda has {i} apples.<end_of_turn>\n<start_of_turn>model\n" for i in range(5)]
     params = EvaluateParams(max_new_tokens=6, batch_size=4)
-    generator = evaluation.Generator(model, tokenizer, params, prompt_length=32)
+    generator = generation.Generator(model, tokenizer, params, prompt_length=32)
     with mesh:
         texts, lengths = generator(prompts)  # 5 prompts: a full batch of 4, then 1 padded to 4
         again, _ = generator(prompts[:1])
@@ -189,7 +189,7 @@ def test_generation_batches_reuse_one_sampler_and_see_new_weights(tiny, tokenize
         state = nnx.state(model, nnx.Param)
         nnx.update(model, jax.tree.map(lambda x: x * 1.5, state))
         reused, _ = generator(prompts[:4])
-        fresh, _ = evaluation.Generator(model, tokenizer, params, prompt_length=32)(prompts[:4])
+        fresh, _ = generation.Generator(model, tokenizer, params, prompt_length=32)(prompts[:4])
         nnx.update(model, state)
     assert reused == fresh
 
@@ -199,7 +199,7 @@ def test_sampled_generation_draws_several_samples_per_prompt(tiny, tokenizer):
     prompts = [f"<bos><start_of_turn>user\nq{i}<end_of_turn>\n<start_of_turn>model\n" for i in range(2)]
     params = EvaluateParams(max_new_tokens=8, batch_size=8, num_samples=4, temperature=1.0, top_k=50)
     with mesh:
-        texts, lengths = evaluation.Generator(model, tokenizer, params, prompt_length=16)(prompts)
+        texts, lengths = generation.Generator(model, tokenizer, params, prompt_length=16)(prompts)
     assert len(texts) == 8
     assert len(set(texts[:4])) > 1  # a random model sampled at temperature 1 does not repeat itself
 
@@ -217,8 +217,8 @@ def test_evaluator_skips_and_counts_prompts_that_do_not_fit(tiny, tokenizer):
     assert not math.isnan(metrics["format_compliance"])
 
     # without a limit the cache grows to fit the longest prompt
-    held_out, skipped, length = evaluation.select_prompts(formatted, tokenizer, EvaluateParams())
-    assert skipped == 0 and len(held_out) == 3 and length >= max(evaluation.prompt_lengths(tokenizer, formatted["prompt"].tolist()))
+    held_out, skipped, length = generation.select_prompts(formatted, tokenizer, EvaluateParams())
+    assert skipped == 0 and len(held_out) == 3 and length >= max(generation.prompt_lengths(tokenizer, formatted["prompt"].tolist()))
     assert length == 1 << (length - 1).bit_length()  # a power of two
     np.testing.assert_array_equal(held_out["id"], ["q0", "q1", "q2"])
 

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from flax import nnx
 
-from tunix_pipeline import grpo, upstream
+from tunix_pipeline import generation, grpo, upstream
 from tunix_pipeline.config import GrpoParams, LoraParams, RuntimeParams
 from tunix_pipeline.runtime import make_mesh
 
@@ -79,11 +79,13 @@ def test_max_prompts_is_a_seeded_pool_the_feed_cycles_over(formatted):
         GrpoParams(max_steps=2, batch_size=2, max_prompts=1)
 
 
-def test_prompts_that_do_not_fit_are_skipped_and_counted(formatted, tokenizer):
+def test_prompts_that_do_not_fit_are_skipped_and_counted(formatted, tokenizer, caplog):
     long = formatted.copy()
     long.loc[0, "prompt"] += " apples" * 100
-    rows, skipped = grpo.fitting_prompts(long, tokenizer, 32)
+    with caplog.at_level("WARNING"):
+        rows, skipped = generation.fitting_prompts(long, tokenizer, 32, setting="grpo.max_prompt_length")
     assert skipped == 1 and len(rows) == len(formatted) - 1 and "r0" not in set(rows["id"])
+    assert "longer than grpo.max_prompt_length=32 tokens" in caplog.text  # the warning names the stage's setting
 
 
 @pytest.mark.parametrize(

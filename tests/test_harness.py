@@ -130,7 +130,7 @@ def test_tagged_answer_prompts_generate_what_our_evaluation_generates(setup, tmp
     """The task's rows (BOS text dropped, the tokenizer adding the token) give the model the very prompts
     our own evaluation gives it: the same greedy texts, up to the special tokens `hf` decodes away."""
     from tunix_pipeline.config import EvaluateParams
-    from tunix_pipeline.evaluation import Generator, select_prompts
+    from tunix_pipeline.generation import Generator, select_prompts
 
     ours, _, formatted = setup
     steps = 8  # the prompts are 38-40 tokens: with 8 new ones they fit MAX_LENGTH uncut

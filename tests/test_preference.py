@@ -305,6 +305,17 @@ def test_pairs_from_rewards_keep_best_and_worst_beyond_the_margin(tmp_path, tiny
     assert set(pairs["id"]) <= set(formatted["id"].head(5))
 
 
+def test_pairs_from_rewards_name_preferences_own_prompt_limit(tmp_path, tokenizer, caplog):
+    from tunix_pipeline import pairs
+
+    formatted = _formatted_pairs(tokenizer, n=2, long_every=1).assign(source="s", answer="2")  # every prompt too long
+    # no prompt fits: no sampling, so no model, rewards or mesh are needed
+    with caplog.at_level("WARNING"):
+        out, counts = pairs.pairs_from_rewards(None, tokenizer, formatted, _params(tmp_path), None, None, max_prompts=2)
+    assert out.empty and counts["prompts"] == 0 and counts["prompts_too_long"] == 2
+    assert "longer than preference.max_prompt_length=48 tokens" in caplog.text and "grpo." not in caplog.text
+
+
 def test_pairs_from_data_are_ingested_and_formatted_by_the_node(tmp_path, tiny_model_dir):
     import json
 

@@ -1,4 +1,4 @@
-"""Evaluation: eval loss, generation with Tunix's KV-cache sampler, and the metrics people compare.
+"""Evaluation: eval loss, the metrics people compare, and the report; the generation it scores is `generation`'s.
 
 Metrics per model (`score`):
 - `answer_exact`: the extracted answer equals the reference (after trimming and removing commas);
@@ -16,23 +16,19 @@ an empty eval split gives a report that says so, not an exception.
 
 from __future__ import annotations
 
-import logging
 import math
-import time
 from collections import Counter
 
 import numpy as np
 import pandas as pd
 from flax import nnx
 
-from tunix_pipeline.answers import GEMMA_END_OF_TURN, answers_match, clean, extract_answer, normal, well_formed
+from tunix_pipeline.answers import answers_match, clean, extract_answer, normal, well_formed
 from tunix_pipeline.config import EvaluateParams
+from tunix_pipeline.generation import Generator, select_prompts
 from tunix_pipeline.loss import model_inputs, token_nll
-from tunix_pipeline.progress import Progress
 from tunix_pipeline.runtime import process_rows, shard_rows
 from tunix_pipeline.training import eval_batches
-
-log = logging.getLogger(__name__)
 
 SAMPLE_COLUMNS = [
     "model", "id", "sample", "prompt", "reference", "generated", "extracted",
@@ -89,122 +85,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-# ---------------------------------------------------------------- generation
-def end_tokens(tokenizer) -> list[int]:
-    stop = [tokenizer.eos_token_id]
-    if GEMMA_END_OF_TURN in tokenizer.get_vocab():
-        stop.append(tokenizer.convert_tokens_to_ids(GEMMA_END_OF_TURN))
-    return [t for t in stop if t is not None]
-
-
-def prompt_lengths(tokenizer, prompts: list[str]) -> list[int]:
-    """Prompt lengths in tokens, counted as Tunix's sampler tokenizes them (one BOS)."""
-    from tunix.generate import tokenizer_adapter
-
-    adapter = tokenizer_adapter.TokenizerAdapter(tokenizer)
-    bos = [adapter.bos_id()] if adapter.bos_id() is not None else []
-    return [len(adapter.dedup_bos_ids(bos + list(adapter.encode(p)))) for p in prompts]
-
-
-def next_power_of_two(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def make_sampler(model, tokenizer, cache_size: int):
-    """Tunix's KV-cache `Sampler` over `model`; its prompts may also be token ids (lists), used as they are.
-
-    The sampler reads the model's variables at each call, so a checkpoint restored
-    into the same model afterwards is what the next call generates with.
-    """
-    from tunix.generate import sampler as sampler_lib
-
-    class Sampler(sampler_lib.Sampler):
-        def tokenize(self, prompt):
-            return super().tokenize(prompt) if isinstance(prompt, str) else np.asarray(prompt, dtype=np.int32)
-
-    cfg = model.config
-    return Sampler(
-        transformer=model,
-        tokenizer=tokenizer,
-        cache_config=sampler_lib.CacheConfig(
-            cache_size=cache_size, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
-        ),
-    )
-
-
-def sampling_args(temperature: float, top_p: float | None, top_k: int | None) -> dict:
-    """The sampler's arguments: none is greedy (temperature 0), else top-p / top-k sampling."""
-    if temperature <= 0:
-        return {}
-    return dict(temperature=temperature, top_p=top_p if top_p is not None else 1.0, top_k=top_k)
-
-
-class Generator:
-    """Tunix's `Sampler` with one KV cache shape: fixed batch and prompt length, one compile."""
-
-    def __init__(self, model, tokenizer, params: EvaluateParams, prompt_length: int):
-        self.params = params
-        self.prompt_length = prompt_length
-        self.stop = end_tokens(tokenizer)
-        self.sampler = make_sampler(model, tokenizer, prompt_length + params.max_new_tokens)
-
-    def __call__(self, prompts: list[str]) -> tuple[list[str], list[int]]:
-        """(texts, completion lengths in tokens), `num_samples` consecutive ones per prompt."""
-        p = self.params
-        expanded = [prompt for prompt in prompts for _ in range(p.num_samples)]
-        sampling = sampling_args(p.temperature, p.top_p, p.top_k)
-        texts, lengths = [], []
-        report = Progress("generate", -(-len(expanded) // p.batch_size), bar=True, unit="batch")
-        for i, start in enumerate(range(0, len(expanded), p.batch_size)):
-            started = time.perf_counter()
-            chunk = expanded[start : start + p.batch_size]
-            padded = chunk + [chunk[-1]] * (p.batch_size - len(chunk))  # one compiled shape for every chunk
-            out = self.sampler(
-                padded,
-                max_generation_steps=p.max_new_tokens,
-                max_prompt_length=self.prompt_length,
-                eos_tokens=self.stop,
-                seed=p.seed + i if sampling else None,
-                **sampling,
-            )
-            texts.extend(out.text[: len(chunk)])
-            lengths.extend(int(len(t)) for t in out.tokens[: len(chunk)])
-            report.update(i + 1, tokens_per_sec=sum(lengths[start:]) / (time.perf_counter() - started))
-        report.close()
-        return texts, lengths
-
-
-def fitting_prompts(
-    formatted: pd.DataFrame, tokenizer, max_prompt_length: int, setting: str = "grpo.max_prompt_length", lengths=None
-) -> tuple[pd.DataFrame, int]:
-    """(rows whose prompt fits `max_prompt_length` tokens, how many were skipped); the skipped are logged.
-
-    `setting`: the config key that sets the limit, named in the warning; `lengths`: the prompts' token
-    counts when the caller has them.
-    """
-    if not len(formatted):
-        return formatted, 0
-    lengths = np.asarray(prompt_lengths(tokenizer, formatted["prompt"].tolist()) if lengths is None else lengths)
-    fits = lengths <= max_prompt_length
-    skipped = int((~fits).sum())
-    if skipped:
-        log.warning("%s: %d of %d prompts are longer than %s=%d tokens (longest %d); skipped",
-                    setting.split(".")[0], skipped, len(formatted), setting, max_prompt_length, int(lengths.max()))
-    return formatted[fits].reset_index(drop=True), skipped
-
-
-def select_prompts(formatted: pd.DataFrame, tokenizer, params: EvaluateParams) -> tuple[pd.DataFrame, int, int]:
-    """(prompts to generate for, how many were skipped as too long, the padded prompt length)."""
-    held_out = formatted.head(params.num_prompts).reset_index(drop=True)
-    if not len(held_out):
-        return held_out, 0, 0
-    lengths = prompt_lengths(tokenizer, held_out["prompt"].tolist())
-    if params.max_prompt_length is None:
-        return held_out, 0, next_power_of_two(int(max(lengths)))
-    rows, skipped = fitting_prompts(held_out, tokenizer, params.max_prompt_length, "evaluate.max_prompt_length", lengths)
-    return rows, skipped, params.max_prompt_length
 
 
 # ---------------------------------------------------------------- metrics

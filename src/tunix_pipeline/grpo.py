@@ -26,7 +26,7 @@ import pandas as pd
 from tunix_pipeline import checkpoints, progress, upstream
 from tunix_pipeline.config import GrpoParams
 from tunix_pipeline.errors import UserError
-from tunix_pipeline.evaluation import fitting_prompts  # grpo.fitting_prompts: GRPO's and preference's prompts
+from tunix_pipeline.generation import fitting_prompts
 from tunix_pipeline.optim import make_optimizer
 from tunix_pipeline.paths import storage_path
 from tunix_pipeline.rewards import RewardSet
@@ -185,7 +185,8 @@ def training_prompts(train_formatted: pd.DataFrame, tokenizer, params: GrpoParam
             f"{what} x grpo.num_generations = {micro} completions at a time must divide over the "
             f"{data_parallel_size(mesh)} data-parallel devices of the mesh {dict(mesh.shape)}"
         )
-    rows, too_long = fitting_prompts(train_formatted, tokenizer, params.max_prompt_length)
+    rows, too_long = fitting_prompts(train_formatted, tokenizer, params.max_prompt_length,
+                                     setting="grpo.max_prompt_length")
     if len(rows) < params.batch_size:
         raise NothingToLearn(
             "grpo",
@@ -201,7 +202,7 @@ def _rollout_config(params: GrpoParams, tokenizer):
     """Tunix's sampling settings for the rollouts: lengths, KV cache, temperature / top-p / top-k, stop tokens."""
     from tunix.rl.rollout import base_rollout
 
-    from tunix_pipeline.evaluation import end_tokens
+    from tunix_pipeline.generation import end_tokens
 
     return base_rollout.RolloutConfig(
         max_tokens_to_generate=params.max_completion_length,

@@ -21,19 +21,20 @@ REWARD_PAIR_COLUMNS = PAIR_COLUMNS + ["chosen_reward", "rejected_reward"]
 
 def pairs_from_rewards(model, tokenizer, formatted: pd.DataFrame, params: PreferenceParams, rewards, mesh,
                        max_prompts: int) -> tuple[pd.DataFrame, dict]:
-    """(pairs, counts): `k` samples per prompt with evaluation's sampler, scored with GRPO's rewards; per prompt
+    """(pairs, counts): `k` samples per prompt with `generation`'s sampler, scored with GRPO's rewards; per prompt
     the best and the worst sample, kept where their weighted total rewards differ by at least `margin`.
 
     A sample that stopped by itself gets the end-of-turn marker SFT taught (one cut off at
     `max_new_tokens` does not), so a pair's answers read as the training data's do.
     """
     from tunix_pipeline.config import EvaluateParams
-    from tunix_pipeline.evaluation import Generator
     from tunix_pipeline.formatting import end_of_turn
-    from tunix_pipeline.grpo import REWARD_COLUMNS, fitting_prompts
+    from tunix_pipeline.generation import Generator, fitting_prompts
+    from tunix_pipeline.grpo import REWARD_COLUMNS
 
     spec = params.from_rewards
-    rows, too_long = fitting_prompts(formatted.head(max_prompts), tokenizer, params.max_prompt_length)
+    rows, too_long = fitting_prompts(formatted.head(max_prompts), tokenizer, params.max_prompt_length,
+                                     setting="preference.max_prompt_length")
     counts = {"prompts": len(rows), "prompts_too_long": too_long, "samples": len(rows) * spec.num_samples}
     if not len(rows):
         return pd.DataFrame(columns=REWARD_PAIR_COLUMNS), {**counts, "pairs": 0, "below_margin": 0, "equal_rewards": 0}
