@@ -149,7 +149,7 @@ def apply_current_session(params: dict, runtime_params: dict | None = None) -> d
         section = params.get(stage.name)
         if section is not None:
             overrides[stage.name] = {"checkpoint_dir": f"{section['checkpoint_dir']}/{session.name}"}
-            if "time_budget_hours" in section:
+            if stage.time_budget:
                 overrides[stage.name]["time_budget_hours"] = session.hours
     if parent and parent["base_model_dir"]:  # a model the pipeline built (tiny): the parent's, tokenizer and all
         overrides["model"] = {"source": parent["base_model_dir"]}

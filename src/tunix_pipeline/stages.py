@@ -22,6 +22,7 @@ class Stage:
     train_node: str
     parent: str | None  # the stage whose policy this one starts from
     history_keys: tuple[str, ...] = ()  # what each step of its history must hold (the smoke checks)
+    time_budget: bool = False  # its section has `time_budget_hours` (a session's hours bound it)
 
     @property
     def result(self) -> str:
@@ -46,9 +47,9 @@ class Stage:
                 f"{self.name}_curves"]
 
 
-SFT = Stage("sft", "SFT", "train_sft", parent=None, history_keys=("loss",))
+SFT = Stage("sft", "SFT", "train_sft", parent=None, history_keys=("loss",), time_budget=True)
 PREFERENCE = Stage("preference", "preference", "run_preference", parent="sft",
-                   history_keys=("loss", "rewards/margin"))
+                   history_keys=("loss", "rewards/margin"), time_budget=True)
 GRPO = Stage("grpo", "GRPO", "run_grpo", parent="preference", history_keys=("reward",))
 STAGES = (SFT, PREFERENCE, GRPO)
 POLISH = tuple(stage for stage in STAGES if stage.optional)
