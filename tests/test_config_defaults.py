@@ -7,6 +7,7 @@ import typing
 from pathlib import Path
 
 from kedro.config import OmegaConfigLoader
+from kedro.framework.project import configure_project
 from pydantic import BaseModel, TypeAdapter
 
 from tunix_pipeline.config.validation import section_models
@@ -41,6 +42,7 @@ def differences(model: type[BaseModel], values: dict, where: str = ""):
 
 def test_conf_base_is_the_code_defaults():
     params = OmegaConfigLoader(conf_source=str(CONF), base_env="base", default_run_env="base")["parameters"]
+    configure_project("tunix_pipeline")  # as Kedro at start-up: the registry finds the pipelines of this package
     models = section_models(register_pipelines())
     assert {"runtime", "sft", "grpo", "preference", "evaluate", "tracking", "plan"} <= set(models)
     found = {setting: (conf, default) for section, model in models.items() if section in params

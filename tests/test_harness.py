@@ -27,6 +27,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from tunix_pipeline import harness  # noqa: E402
 from tunix_pipeline.config import FormatParams, HarnessParams, IngestParams, RuntimeParams, SourceParams  # noqa: E402
+from tunix_pipeline.errors import HarnessError  # noqa: E402
 
 from .conftest import ROOT  # noqa: E402
 
@@ -195,7 +196,7 @@ def test_tagged_answer_task_reads_the_answer_from_tags(tmp_path):
 
 
 def test_missing_task_file_is_refused_before_any_model_loads():
-    with pytest.raises(harness.HarnessError, match="no task file nowhere/task.yaml"):
+    with pytest.raises(HarnessError, match="no task file nowhere/task.yaml"):
         harness.check(HarnessParams(enabled=True, tasks=["nowhere/task.yaml"]))
 
 

@@ -1,5 +1,6 @@
-"""The package stays legible: no import cycle between its modules, no module over ~400 lines, no function over ~60
-(the project's rules, with a little slack so a docstring line does not fail the build)."""
+"""The package stays legible: no import cycle between its modules (imports inside functions count too), only the
+modules above the pipelines import them, no module over ~400 lines, no function over ~60 (the project's rules, with
+a little slack so a docstring line does not fail the build)."""
 
 import ast
 from pathlib import Path
@@ -14,16 +15,27 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_at_load(path: Path, modules: set[str]) -> set[str]:
-    """Our modules that `path` imports when it is loaded (module level; imports inside functions are lazy)."""
+def imports(path: Path, modules: set[str]) -> set[str]:
+    """Our modules that `path` imports anywhere: at load and inside functions (an import moved into a function
+    hides a circle, it does not remove it). Importing a package is an edge to its `__init__`, named as the package."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tunix_pipeline"):
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            # `from . import x` / `from ..y import z`: relative to the importing module's package
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            source = ".".join(part for part in (base, node.module) if part)
+            # `from pkg import module` is an edge to the module; `from pkg import name`, to the package's `__init__`
+            found.update(f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names)
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
     return found & modules
+
+
+def package_graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: imports(path, set(files)) - {name} for name, path in files.items()}
 
 
 def cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -46,11 +58,30 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def test_import_edges_include_lazy_and_relative_imports():
+    graph = package_graph()
+    assert "tunix_pipeline.pipelines.sft.pipeline" in graph["tunix_pipeline.pipelines.sft"]  # `from .pipeline import`
+    assert "tunix_pipeline.harness_lm" in graph["tunix_pipeline.harness"]  # imported inside a function
+
+
 def test_no_import_cycle():
-    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph = {name: imports_at_load(path, set(files)) - {name} for name, path in files.items()}
+    graph = package_graph()
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check itself finds one
     assert cycle(graph) is None, f"import cycle: {' -> '.join(cycle(graph))}"
+
+
+# the Kedro project's top: they assemble the pipelines or hook into their nodes, so they sit above them
+ABOVE_PIPELINES = {"tunix_pipeline.pipeline_registry", "tunix_pipeline.settings", "tunix_pipeline.hooks"}
+
+
+def in_pipelines(name: str) -> bool:
+    return name == "tunix_pipeline.pipelines" or name.startswith("tunix_pipeline.pipelines.")
+
+
+def test_only_the_project_top_imports_the_pipelines():
+    offenders = {name: sorted(filter(in_pipelines, deps)) for name, deps in package_graph().items()
+                 if not in_pipelines(name) and name not in ABOVE_PIPELINES and any(map(in_pipelines, deps))}
+    assert not offenders, f"the pipelines sit above these modules, which must not import them: {offenders}"
 
 
 def test_modules_and_functions_stay_short():

@@ -97,7 +97,8 @@ ON_MAIN = """
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 from tunix_pipeline.config import DistributedParams
-from tunix_pipeline.runtime import initialize_distributed, on_main_process
+from tunix_pipeline.processes import on_main_process
+from tunix_pipeline.runtime import initialize_distributed
 initialize_distributed(DistributedParams(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2])))
 print("wrote:", on_main_process("demo", lambda: "done"))
 def fail():

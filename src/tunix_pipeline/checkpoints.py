@@ -19,7 +19,7 @@ from etils import epath
 from tunix_pipeline.errors import UserError
 from tunix_pipeline.models.errors import ModelError
 from tunix_pipeline.paths import storage_path
-from tunix_pipeline.runtime import barrier
+from tunix_pipeline.processes import barrier
 
 log = logging.getLogger(__name__)
 HISTORY_FILE = "loss_history.json"

@@ -29,8 +29,8 @@ from tunix_pipeline.errors import UserError
 from tunix_pipeline.generation import fitting_prompts
 from tunix_pipeline.optim import make_optimizer
 from tunix_pipeline.paths import storage_path
+from tunix_pipeline.processes import barrier
 from tunix_pipeline.rewards import RewardSet
-from tunix_pipeline.runtime import barrier
 from tunix_pipeline.skips import NothingToLearn
 
 log = logging.getLogger(__name__)

@@ -26,18 +26,13 @@ from pathlib import Path
 import pandas as pd
 
 from tunix_pipeline.config import HarnessParams
-from tunix_pipeline.errors import UserError
+from tunix_pipeline.errors import HarnessError
 from tunix_pipeline.evaluation import markdown_table
 
 log = logging.getLogger(__name__)
 
 TASKS_DIR = Path(__file__).with_name("harness_tasks")
 TAGGED_TASK = "tagged_answer"
-MIN_BUCKET = 16  # shortest padded length: fewer tiny buckets, each one a compile
-
-
-class HarnessError(UserError, ValueError):
-    """The harness cannot run as configured."""
 
 
 def _lm_eval():

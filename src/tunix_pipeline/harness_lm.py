@@ -12,8 +12,10 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models import utils as lm_utils
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from tunix_pipeline.errors import HarnessError
 from tunix_pipeline.generation import make_sampler, next_power_of_two, sampling_args
-from tunix_pipeline.harness import MIN_BUCKET, HarnessError
+
+MIN_BUCKET = 16  # shortest padded length: fewer tiny buckets, each one a compile
 
 
 class JaxLM(TemplateLM):

@@ -19,11 +19,10 @@ from pydantic import BaseModel
 
 from tunix_pipeline.config import RuntimeParams, SourceParams, TrackingParams
 from tunix_pipeline.config.validation import check_parameters, validate_section
-from tunix_pipeline.stages import POLISH, SFT, STAGES, TRAINING_NODES
-from tunix_pipeline.runtime import (
-    check_shared_folders, configure_host_devices, initialize_distributed, is_main_process, orbax_folders,
-)
+from tunix_pipeline.processes import is_main_process
+from tunix_pipeline.runtime import check_shared_folders, configure_host_devices, initialize_distributed, orbax_folders
 from tunix_pipeline.sessions import Ledger, SessionPlanDone, SessionsParams, brief, expectation, over_weekly_budget
+from tunix_pipeline.stages import POLISH, SFT, STAGES, TRAINING_NODES
 
 log = logging.getLogger(__name__)
 

@@ -1,29 +1,21 @@
-"""The project's pipelines: one per stage, the real DAG, and `smoke`."""
+"""The project's pipelines: one per package under `pipelines/` (Kedro finds them), and those that join several:
+the real DAG (`__default__`), `smoke` and `grpo`."""
 
+from kedro.framework.project import find_pipelines
+from kedro.framework.project import pipelines as project_pipelines
 from kedro.pipeline import Pipeline
 
-from tunix_pipeline.pipelines import (
-    base_model, evaluate, export, format, grpo, ingest, plan, preference, sft, smoke, tokenize,
-)
+# packages that are no stage of the run: the plan comes before any hardware, the smoke checks only in `smoke`
+NOT_STAGES = ("plan", "smoke")
 
 
 def register_pipelines() -> dict[str, Pipeline]:
-    stages = {
-        "ingest": ingest.create_pipeline(),
-        "base_model": base_model.create_pipeline(),
-        "format": format.create_pipeline(),
-        "tokenize": tokenize.create_pipeline(),
-        "sft": sft.create_pipeline(),
-        "evaluate": evaluate.create_pipeline(),
-        # DPO / ORPO / SimPO and the evaluation after it; with `preference.enabled: false` SFT's checkpoint passes on
-        "preference": preference.create_pipeline(),
-        # GRPO from the policy before it (the preference stage's, or SFT's) and the evaluation after it; off: the
-        # policy passes through
-        "grpo": grpo.create_pipeline(),
-        "export": export.create_pipeline(),
-    }
-    dag = sum(stages.values(), Pipeline([]))
+    # Kedro would find only the packages a run names (`--pipelines=grpo`: `grpo` alone), but `grpo`, `smoke` and
+    # the DAG join several, so every package is found whichever the run names
+    project_pipelines.set_requested(None)
+    found = find_pipelines(raise_errors=True)  # a package that fails to load fails the run, not its pipeline only
+    del found["__default__"]  # Kedro's: empty, as the package has no `pipeline` module
+    dag = sum((pipeline for name, pipeline in found.items() if name not in NOT_STAGES), Pipeline([]))
     # `--pipelines=grpo` polishes the SFT checkpoint: the preference stage first (a pass-through when it is off),
     # so GRPO always has the policy to start from; `--pipelines=preference` runs that stage alone
-    pipelines = {**stages, "grpo": stages["preference"] + stages["grpo"]}
-    return {**pipelines, "plan": plan.create_pipeline(), "smoke": dag + smoke.create_pipeline(), "__default__": dag}
+    return {**found, "grpo": found["preference"] + found["grpo"], "smoke": dag + found["smoke"], "__default__": dag}

@@ -1,6 +1,6 @@
 """Process-level JAX set-up (before JAX picks its devices), the compiler options of train steps, the device
-mesh and each process's share of a batch, and what multi-host runs need afterwards: reading sharded arrays on the
-host, barriers, files written by process 0 alone, and folders that every process must share."""
+mesh and each process's share of a batch, and the check that every process of a multi-host run shares the
+checkpoint folders (the processes' other joint work, barriers and the like: `processes`)."""
 
 from __future__ import annotations
 
@@ -8,19 +8,20 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tunix_pipeline.config import RuntimeParams, SftParams
 from tunix_pipeline.errors import UserError
+from tunix_pipeline.paths import storage_path
+from tunix_pipeline.processes import barrier, is_main_process
 from tunix_pipeline.stages import STAGES
 
 if TYPE_CHECKING:  # annotations only; jax is imported where used
     import jax
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
 MESH_AXES = ("data", "fsdp", "tp")
 # the batch dimension is split over every data-parallel axis
@@ -92,64 +93,6 @@ def initialize_distributed(setting) -> None:
         )
 
 
-def is_main_process() -> bool:
-    """Process 0: the one that logs to MLflow and writes the run's own (non-Orbax) files."""
-    import jax
-
-    return jax.process_index() == 0
-
-
-def barrier(name: str) -> None:
-    """Every process waits here until all have arrived (a no-op with one process)."""
-    import jax
-
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
-
-
-def host_array(x) -> np.ndarray:
-    """The whole value of `x` as numpy on this host, also when its shards live on other processes' devices.
-
-    `np.asarray` refuses an array that spans other processes' devices; such an array is gathered
-    (every process receives all of it). That is a collective: in a multi-host run every process
-    must call this for the same arrays in the same order.
-    """
-    import jax
-
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        return multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(x)
-
-
-def on_main_process(name: str, write: Callable[[], T]) -> T | None:
-    """`write()` on process 0 only (files the processes would otherwise race on); None elsewhere.
-
-    Every process leaves together, and all fail when process 0 fails, so none goes on alone.
-    """
-    import jax
-
-    if jax.process_count() == 1:
-        return write()
-    from jax.experimental import multihost_utils
-
-    result, error = None, None
-    if is_main_process():
-        try:
-            result = write()
-        except Exception as err:  # re-raised below, once the other processes know
-            error = err
-    failed = multihost_utils.broadcast_one_to_all(np.int32(error is not None))
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError(f"{name}: failed on process 0; its log says why")
-    return result
-
-
 class FolderNotShared(UserError, RuntimeError):
     """A folder that every process of a multi-host run must share is not the same folder on all of them."""
 
@@ -186,8 +129,6 @@ def check_shared_folders(folders: dict[str, str], timeout_s: float) -> None:
     if jax.process_count() == 1:
         return
     from jax.experimental import multihost_utils
-
-    from tunix_pipeline.paths import storage_path
 
     settings = sorted(folders)
     paths = [storage_path(folders[setting], setting) for setting in settings]

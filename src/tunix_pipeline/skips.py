@@ -47,7 +47,7 @@ def skip_stage(err: NothingToLearn, strict: bool, parent_policy: dict) -> dict:
 def _tag_run(err: NothingToLearn) -> None:
     import mlflow
 
-    from tunix_pipeline.runtime import is_main_process
+    from tunix_pipeline.processes import is_main_process
 
     if mlflow.active_run() is not None and is_main_process():
         mlflow.set_tags({f"{err.stage}.skipped": "true",

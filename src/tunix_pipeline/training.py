@@ -32,8 +32,9 @@ from tunix_pipeline.config import SftParams
 from tunix_pipeline.loss import loss_fn_for, model_inputs
 from tunix_pipeline.optim import make_optimizer
 from tunix_pipeline.paths import storage_path
+from tunix_pipeline.processes import barrier
 from tunix_pipeline.progress import throughput_hooks, train_flops_per_token
-from tunix_pipeline.runtime import BATCH_AXES, MeshError, barrier, global_batch_size, process_rows
+from tunix_pipeline.runtime import BATCH_AXES, MeshError, global_batch_size, process_rows
 from tunix_pipeline.tokenization import token_arrays
 
 log = logging.getLogger(__name__)

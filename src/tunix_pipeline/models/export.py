@@ -12,7 +12,7 @@ from tunix_pipeline.models.gguf_export import write_gguf
 from tunix_pipeline.models.loading import origin_of
 from tunix_pipeline.models.lora import merge_lora
 from tunix_pipeline.paths import atomic_folder
-from tunix_pipeline.runtime import on_main_process
+from tunix_pipeline.processes import on_main_process
 
 MAX_SHARD_SIZE = "2GB"
 

@@ -12,11 +12,13 @@ reads every weight for each token of a batch, so it runs far below training's MF
 
 from __future__ import annotations
 
+import dataclasses
 
 from tunix_pipeline.config import PlanParams, PreferenceParams
 from tunix_pipeline.planning import memory
 from tunix_pipeline.planning.memory import GIB, estimate_memory
 from tunix_pipeline.planning.plan import Plan, Row, size
+from tunix_pipeline.planning.xla_check import check_against_xla as sft_check
 
 
 def reference_bytes(plan: Plan, row: Row, pref: PreferenceParams) -> float:
@@ -36,10 +38,6 @@ def stage_setup(row: Row, pref: PreferenceParams):
 def check_against_xla(plan: Plan, model, max_layers: int | None, timeout: float) -> dict:
     """XLA's peak for the policy's step of the selected profile (SFT's step compiled at the stage's shape;
     the reference's weights come on top of both figures)."""
-    import dataclasses
-
-    from tunix_pipeline.planning import check_against_xla as sft_check
-
     setup = stage_setup(plan.selected, plan.preference["params"])
     return sft_check(dataclasses.replace(plan, selected=dataclasses.replace(plan.selected, setup=setup)), model,
                      max_layers, timeout)

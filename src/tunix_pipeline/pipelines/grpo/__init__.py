@@ -1,4 +1,5 @@
-"""The `grpo` pipeline: GRPO from the SFT checkpoint, then the evaluation after it."""
+"""The `grpo` pipeline: GRPO from the policy before it (the preference stage's, or SFT's), then the evaluation
+after it; with `grpo.enabled: false` the policy passes through."""
 
 from .pipeline import create_pipeline
 

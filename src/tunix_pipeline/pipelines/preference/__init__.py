@@ -1,4 +1,5 @@
-"""The `preference` pipeline: pairs, DPO / ORPO / SimPO from the SFT checkpoint, then the evaluation after it."""
+"""The `preference` pipeline: pairs, DPO / ORPO / SimPO from the SFT checkpoint, then the evaluation after it;
+with `preference.enabled: false` SFT's checkpoint passes on."""
 
 from .pipeline import create_pipeline
 

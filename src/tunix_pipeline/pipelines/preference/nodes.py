@@ -14,8 +14,9 @@ from tunix_pipeline.formatting import format_records
 from tunix_pipeline.ingest import ingest
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
 from tunix_pipeline.planning import peak_flops_per_device
+from tunix_pipeline.processes import is_main_process
 from tunix_pipeline.rewards import RewardSet
-from tunix_pipeline.runtime import is_main_process, make_mesh
+from tunix_pipeline.runtime import make_mesh
 from tunix_pipeline.skips import NothingToLearn, passed_through, skip_stage
 from tunix_pipeline.stages import PREFERENCE, policy_stage, start_of
 from tunix_pipeline.step_metrics import metrics_backends
