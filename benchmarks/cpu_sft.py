@@ -224,11 +224,11 @@ def worker_tunix_default(args) -> dict:
         with mesh:
             if args.with_cpu_options:  # ablation: Tunix's trainer with our compile options
                 trainer = upstream.trainer_class()(
-                    model, make_optimizer(sft.optim), config, metrics_logger=metrics_logger.MetricsLogger(options)
+                    model, make_optimizer(sft, sft.max_steps), config, metrics_logger=metrics_logger.MetricsLogger(options)
                 )
             else:
                 trainer = peft_trainer.PeftTrainer(
-                    model, make_optimizer(sft.optim), config, metrics_logger=metrics_logger.MetricsLogger(options)
+                    model, make_optimizer(sft, sft.max_steps), config, metrics_logger=metrics_logger.MetricsLogger(options)
                 )
             trainer.with_gen_model_input_fn(tunix_model_input_fn())
             # the same step-time hook as ours, so both are measured the same way (batch i is the feed's step i + 1)
@@ -275,7 +275,7 @@ def worker_torch(args) -> dict:
         lr=sft.learning_rate,
     )
     # the pipeline's warm-up and decay, step by step (optax's schedule, evaluated on the host)
-    schedule = learning_rate_schedule(sft.optim)
+    schedule = learning_rate_schedule(sft, sft.max_steps)
     lr_at = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: float(schedule(s)) / sft.learning_rate)
     feed = training.BatchFeed(_rows(args), args.batch, sft.seed)
     params = sum(p.numel() for p in model.parameters())

@@ -155,7 +155,7 @@ def worker(args) -> dict:
             )
             with mesh:
                 trainer = peft_trainer.PeftTrainer(
-                    model, make_optimizer(sft.optim), config, metrics_logger=metrics_logger.MetricsLogger(options)
+                    model, make_optimizer(sft, sft.max_steps), config, metrics_logger=metrics_logger.MetricsLogger(options)
                 )
                 trainer.with_gen_model_input_fn(tunix_model_input_fn())
                 trainer.with_training_hooks(

@@ -266,7 +266,8 @@ def test_grpo_weight_decay_reaches_matrices_only(tiny_model_dir, tmp_path):
     model, _ = load_model(tiny_model_dir, None)
     # every weight away from 0, so decay would move any leaf it reached (Gemma's norm scales start at 0)
     params = jax.tree.map(lambda p: p + 1.0, nnx.state(model, nnx.Param))
-    tx = make_optimizer(_params(tmp_path, weight_decay=0.1, learning_rate=1e-2).optim)
+    grpo = _params(tmp_path, weight_decay=0.1, learning_rate=1e-2)
+    tx = make_optimizer(grpo, grpo.max_steps)
     updates, _ = tx.update(jax.tree.map(np.zeros_like, params), tx.init(params), params)
     moved = {
         jax.tree_util.keystr(path): (leaf.ndim, float(np.abs(leaf).max()))

@@ -25,7 +25,7 @@ CHIP_FLOPS, HBM = 197e12, 819e9  # a v5e chip: bf16 peak, HBM bandwidth (Cloud T
 
 
 def _plan(model=GEMMA_2B, plan=PLAN, **grpo):
-    params = GrpoParams(**{"max_steps": 150, "max_prompt_length": 128, "max_completion_length": 256,
+    params = GrpoParams(**{"enabled": True, "max_steps": 150, "max_prompt_length": 128, "max_completion_length": 256,
                            "checkpoint_every": 50, **grpo})
     return add_grpo(build_plan(model, SFT, RuntimeParams(), TokenizeParams(max_length=512), plan), params, plan, 9)
 

@@ -192,7 +192,8 @@ def test_remat_changes_memory_not_results(tiny_model_dir, token_rows, remat):
 
 def test_weight_decay_skips_norms(tmp_path):
     params = {"kernel": jnp.ones((4, 4)), "scale": jnp.ones((4,))}
-    tx = make_optimizer(_sft(tmp_path, weight_decay=0.5, warmup_steps=0, schedule="constant", max_grad_norm=None).optim)
+    sft = _sft(tmp_path, weight_decay=0.5, warmup_steps=0, schedule="constant", max_grad_norm=None)
+    tx = make_optimizer(sft, sft.max_steps)
     zeros = jax.tree.map(jnp.zeros_like, params)
     updates, _ = tx.update(zeros, tx.init(params), params)
     assert float(jnp.abs(updates["kernel"]).max()) > 0 and float(jnp.abs(updates["scale"]).max()) == 0

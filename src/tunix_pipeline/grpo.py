@@ -228,7 +228,7 @@ def _cluster_config(params: GrpoParams, mesh, root, logging_options, rollout):
         rollout_engine="vanilla",
         offload_to_cpu=False,
         training_config=rl_cluster_lib.RLTrainingConfig(
-            actor_optimizer=make_optimizer(params.optim),
+            actor_optimizer=make_optimizer(params, params.max_steps),
             eval_every_n_steps=params.max_steps + 1,
             max_steps=params.max_steps,
             checkpoint_root_directory=str(root),

@@ -26,7 +26,6 @@ from flax import nnx
 
 from tunix_pipeline import checkpoints, runtime, upstream
 from tunix_pipeline.config import PreferenceParams
-from tunix_pipeline.optim import make_optimizer
 from tunix_pipeline.pairs import PAIR_TOKEN_COLUMNS, pair_arrays
 from tunix_pipeline.progress import throughput_hooks, train_flops_per_token
 from tunix_pipeline.skips import NothingToLearn
@@ -251,8 +250,8 @@ def train_preference(
     throughput = throughput_hooks(feed.step_tokens, train_flops_per_token(model, seq_len), peak_flops_per_device,
                                   mesh.devices.size)
     with upstream.scalar_listeners_scope(), mesh:
-        trainer = _trainer(model, reference, params, ckpt_dir, checkpoints.logger_options(ckpt_dir, metrics_backends))
-        trainer.data_mesh = mesh
+        trainer = _trainer(model, reference, params, ckpt_dir, checkpoints.logger_options(ckpt_dir, metrics_backends),
+                           mesh)
         trainer.with_loss_fn(loss_fn_for(params), has_aux=True)
         trainer.with_gen_model_input_fn(lambda example: {"train_example": example})
         upstream.log_aux_metrics(trainer, AUX_METRICS)
@@ -289,25 +288,22 @@ def pair_token_counts(arrays: dict) -> tuple[int, np.ndarray]:
     return slots, 2 * arrays["prompt_mask"].sum(axis=1) + answers
 
 
-def _trainer(model, reference, params: PreferenceParams, ckpt_dir, logging_options):
-    """Tunix's DPOTrainer (`upstream.preference_trainer_class`) restored from the latest good checkpoint."""
+def _trainer(model, reference, params: PreferenceParams, ckpt_dir, logging_options, mesh):
+    """Tunix's DPOTrainer (`upstream.preference_trainer_class`), set up as SFT's trainer is."""
     from tunix.sft.dpo import dpo_trainer
 
-    sft = params.as_sft()  # the optimizer, schedule and checkpoint settings, as SFT reads them
+    from tunix_pipeline import training
+
     config = dpo_trainer.DPOTrainingConfig(
+        **training.trainer_config(params, params.max_steps, ckpt_dir, params.method),
         algorithm="orpo" if params.method == "orpo" else "dpo",  # only the metric names differ: our loss hook decides
         beta=params.beta, lambda_orpo=params.orpo_lambda, label_smoothing=params.label_smoothing,
-        eval_every_n_steps=params.max_steps + 1,
-        max_steps=params.max_steps,
-        checkpoint_root_directory=str(ckpt_dir),
-        checkpointing_options=checkpoints.options(sft.checkpoint_every, sft.keep_checkpoints),
         metrics_logging_options=logging_options,
-        data_sharding_axis=runtime.BATCH_AXES,
         metrics_prefix=METRICS_PREFIX,
-        pbar_description=params.method,
     )
-    return checkpoints.restored_trainer(
-        lambda: upstream.preference_trainer_class()(model, reference, make_optimizer(sft.optim), config), ckpt_dir
+    return training.restored_trainer(
+        lambda optimizer: upstream.preference_trainer_class()(model, reference, optimizer, config), params,
+        params.max_steps, ckpt_dir, mesh,
     )
 
 

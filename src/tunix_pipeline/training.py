@@ -28,7 +28,7 @@ from etils import epath
 from flax import nnx
 
 from tunix_pipeline import checkpoints, upstream
-from tunix_pipeline.config import SftParams
+from tunix_pipeline.config import CheckpointSettings, OptimizerSettings, SftParams
 from tunix_pipeline.loss import loss_fn_for, model_inputs
 from tunix_pipeline.optim import make_optimizer
 from tunix_pipeline.paths import storage_path
@@ -264,26 +264,43 @@ def end_run(feed: BatchFeed, stage: str, figures: dict, max_steps: int, budget_h
                     figures["latest_step"], max_steps, budget_hours)
 
 
+# ---------------------------------------------------------------- a Tunix trainer, as SFT and preference set it up
+def trainer_config(params: CheckpointSettings, max_steps: int, ckpt_dir: epath.Path, description: str,
+                   eval_every: int | None = None) -> dict:
+    """The fields of a Tunix trainer's config that every stage on Tunix's PeftTrainer sets alike: its steps, no
+    evaluation unless asked, Orbax checkpoints, the batch's sharding and the progress bar's label."""
+    return dict(
+        eval_every_n_steps=eval_every or max_steps + 1,
+        max_steps=max_steps,
+        checkpoint_root_directory=str(ckpt_dir),
+        checkpointing_options=checkpoints.options(params.checkpoint_every, params.keep_checkpoints),
+        data_sharding_axis=BATCH_AXES,
+        pbar_description=description,
+    )
+
+
+def restored_trainer(build, optimizer_settings: OptimizerSettings, max_steps: int, ckpt_dir: epath.Path, mesh):
+    """`build(optimizer)`'s trainer, restored from the latest good checkpoint (corrupt ones are set aside), feeding
+    batches sharded over `mesh`."""
+    trainer = checkpoints.restored_trainer(lambda: build(make_optimizer(optimizer_settings, max_steps)), ckpt_dir)
+    trainer.data_mesh = mesh
+    return trainer
+
+
 # ---------------------------------------------------------------- SFT
 def _trainer(model, sft: SftParams, mesh, options, ckpt_dir: epath.Path):
-    """A PeftTrainer restored from the latest good checkpoint (corrupt ones are set aside)."""
+    """Tunix's PeftTrainer (`upstream.trainer_class`) with gradient accumulation and our metrics backends."""
     from tunix.sft import metrics_logger, peft_trainer
 
     config = peft_trainer.TrainingConfig(
-        eval_every_n_steps=sft.eval_every or sft.max_steps + 1,
-        max_steps=sft.max_steps,
+        **trainer_config(sft, sft.max_steps, ckpt_dir, "sft", sft.eval_every),
         gradient_accumulation_steps=sft.gradient_accumulation_steps if sft.gradient_accumulation_steps > 1 else None,
-        checkpoint_root_directory=str(ckpt_dir),
-        checkpointing_options=checkpoints.options(sft.checkpoint_every, sft.keep_checkpoints),
-        data_sharding_axis=BATCH_AXES,
-        pbar_description="sft",
     )
-    trainer = checkpoints.restored_trainer(
-        lambda: upstream.trainer_class()(model, make_optimizer(sft.optim), config, metrics_logger=metrics_logger.MetricsLogger(options)),
-        ckpt_dir,
+    return restored_trainer(
+        lambda optimizer: upstream.trainer_class()(model, optimizer, config,
+                                                  metrics_logger=metrics_logger.MetricsLogger(options)),
+        sft, sft.max_steps, ckpt_dir, mesh,
     )
-    trainer.data_mesh = mesh
-    return trainer
 
 
 def train(

@@ -14,7 +14,7 @@ from tunix_pipeline.config.model import (
     TinyModelParams, LoraParams, ModelParams,
 )
 from tunix_pipeline.config.training import (
-    DistributedParams, RuntimeParams, OptimizerParams, SftParams,
+    DistributedParams, RuntimeParams, OptimizerSettings, CheckpointSettings, SftParams,
 )
 from tunix_pipeline.config.evaluate import (
     HarnessParams, EvaluateParams, ExportParams, WandbParams, SystemMetricsParams, RegistryParams, TrackingParams,
@@ -38,7 +38,8 @@ __all__ = [
     "ModelParams",
     "DistributedParams",
     "RuntimeParams",
-    "OptimizerParams",
+    "OptimizerSettings",
+    "CheckpointSettings",
     "SftParams",
     "HarnessParams",
     "EvaluateParams",

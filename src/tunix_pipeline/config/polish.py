@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from tunix_pipeline.config.base import Strict
 from tunix_pipeline.config.data import IngestParams
-from tunix_pipeline.config.training import OptimizerParams, SftParams
+from tunix_pipeline.config.training import CheckpointSettings, OptimizerSettings
 
 
 class RewardParams(Strict):
@@ -22,7 +22,7 @@ class RewardParams(Strict):
     kwargs: dict = Field({}, description="extra keyword arguments for the function")
 
 
-class GrpoParams(Strict):
+class GrpoParams(OptimizerSettings, CheckpointSettings):
     """GRPO polish from the SFT checkpoint with Tunix's RLCluster + GRPOLearner (vanilla rollout)."""
 
     enabled: bool = False
@@ -49,12 +49,7 @@ class GrpoParams(Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, gt=0)
     learning_rate: float = Field(1e-5, gt=0)
-    warmup_steps: int = Field(0, ge=0)
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    checkpoint_dir: str = "data/06_models/grpo_checkpoints"  # a local folder or a gs://bucket/path URI
-    checkpoint_every: int = Field(100, gt=0)
-    keep_checkpoints: int = Field(3, gt=0)
+    checkpoint_dir: str = "data/06_models/grpo_checkpoints"
     seed: int = 0
     rewards: list[RewardParams] = Field(
         [
@@ -85,15 +80,6 @@ class GrpoParams(Strict):
             raise ValueError(f"reward names must be unique (set `name:`), got {names}")
         return self
 
-    @property
-    def optim(self) -> OptimizerParams:
-        """AdamW; with warmup, cosine decay to 10% of the peak over max_steps, else a constant rate."""
-        return OptimizerParams(
-            learning_rate=self.learning_rate, max_steps=self.max_steps, warmup_steps=self.warmup_steps,
-            schedule="cosine" if self.warmup_steps else "constant", weight_decay=self.weight_decay,
-            max_grad_norm=self.max_grad_norm,
-        )
-
 
 class PairsFromRewardsParams(Strict):
     """`pairs: from_rewards`: k samples per training prompt from the SFT model, scored with GRPO's rewards."""
@@ -112,7 +98,7 @@ class PairsFromRewardsParams(Strict):
     rewards: list[RewardParams] | None = None
 
 
-class PreferenceParams(Strict):
+class PreferenceParams(OptimizerSettings, CheckpointSettings):
     """Preference polish after SFT (and before GRPO) on Tunix's DPOTrainer: DPO, ORPO or SimPO."""
 
     enabled: bool = False
@@ -135,12 +121,7 @@ class PreferenceParams(Strict):
     per_device_batch_size: int = Field(2, gt=0, description="pairs per data-parallel device")
     max_steps: int = Field(20, gt=0)
     learning_rate: float = Field(5e-6, gt=0)
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    checkpoint_dir: str = "data/06_models/preference_checkpoints"  # a local folder or a gs://bucket/path URI
-    checkpoint_every: int = Field(100, gt=0)
+    checkpoint_dir: str = "data/06_models/preference_checkpoints"
     keep_checkpoints: int = Field(2, gt=0)
     time_budget_hours: float | None = Field(None, gt=0)
     seed: int = 0
@@ -165,13 +146,3 @@ class PreferenceParams(Strict):
         if self.precompute_reference and self.method != "dpo":
             raise ValueError(f"precompute_reference is for dpo; {self.method} has no reference model")
         return self
-
-    def as_sft(self):
-        """The optimizer/schedule fields as an `SftParams`, to build the optimizer with SFT's own helper."""
-        return SftParams(
-            max_steps=self.max_steps, per_device_batch_size=self.per_device_batch_size,
-            learning_rate=self.learning_rate, warmup_steps=self.warmup_steps, schedule=self.schedule,
-            max_grad_norm=self.max_grad_norm, weight_decay=self.weight_decay, checkpoint_dir=self.checkpoint_dir,
-            checkpoint_every=self.checkpoint_every, keep_checkpoints=self.keep_checkpoints,
-            time_budget_hours=self.time_budget_hours, seed=self.seed,
-        )

@@ -1,4 +1,5 @@
-"""Settings of the run and SFT: `runtime` (devices, mesh, multi-host), the optimizer every stage builds, `sft`."""
+"""Settings of the run and SFT: `runtime` (devices, mesh, multi-host), the optimizer and checkpoint keys every
+training stage's section has, `sft`."""
 
 from __future__ import annotations
 
@@ -34,15 +35,13 @@ class RuntimeParams(Strict):
     peak_flops_per_device: float | None = Field(None, gt=0)
 
 
-class OptimizerParams(Strict):
-    """The optimizer and its learning-rate schedule, as every training stage builds it (`optim.make_optimizer`).
-
-    Not a config section of its own: each stage's `optim` property gathers it from that stage's keys.
-    """
+class OptimizerSettings(Strict):
+    """The optimizer and its learning-rate schedule: keys every training stage's section has (SFT, preference,
+    GRPO), built by `optim.make_optimizer`. A stage gives `learning_rate` its own default (SFT: none)."""
 
     optimizer: Literal["adamw", "adafactor"] = "adamw"
     learning_rate: float = Field(gt=0)
-    max_steps: int = Field(gt=0)
+    # linear warmup from 0, then cosine decay (to 10% of the peak), linear (to 0) or constant
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     # decoupled weight decay on matrices only (not norms or biases)
@@ -50,7 +49,16 @@ class OptimizerParams(Strict):
     max_grad_norm: float | None = Field(1.0, gt=0)
 
 
-class SftParams(Strict):
+class CheckpointSettings(Strict):
+    """Where and how often a training stage saves its Orbax checkpoints (and resumes from the latest good one).
+    A stage gives `checkpoint_dir` its own default."""
+
+    checkpoint_dir: str  # a local folder or a gs://bucket/path URI
+    checkpoint_every: int = Field(100, gt=0)
+    keep_checkpoints: int = Field(3, gt=0)
+
+
+class SftParams(OptimizerSettings, CheckpointSettings):
     # 0 only with init_from: no training this session, the parent checkpoint passes on (e.g. to GRPO);
     # null with `epochs`: the steps follow from the training rows
     max_steps: int | None = Field(ge=0)
@@ -60,22 +68,14 @@ class SftParams(Strict):
     per_device_batch_size: int = Field(gt=0)
     # optimizer steps average this many micro-batches (global batch = per-device x data devices x this)
     gradient_accumulation_steps: int = Field(1, gt=0)
-    optimizer: Literal["adamw", "adafactor"] = "adamw"
-    learning_rate: float = Field(gt=0)
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    # decoupled weight decay on matrices only (not norms or biases)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float | None = Field(1.0, gt=0)
     # bfloat16: compute in bf16 while the weights (and optimizer) stay in model.dtype, e.g. fp32 masters
     compute_dtype: Literal["bfloat16"] | None = None
     # activation rematerialisation: none, attention (each attention block), decoder (each whole layer)
     remat: Literal["none", "attention", "decoder"] = "none"
     # cross-entropy in chunks of this many positions (less memory for large vocabularies); null: at once
     loss_chunk_size: int | None = Field(None, gt=0)
-    checkpoint_dir: str = "data/06_models/sft_checkpoints"  # a local folder or a gs://bucket/path URI
+    checkpoint_dir: str = "data/06_models/sft_checkpoints"
     checkpoint_every: int = Field(gt=0)
-    keep_checkpoints: int = Field(3, gt=0)
     eval_every: int | None = Field(None, gt=0)
     # stop early enough to save a checkpoint before this many hours pass since the process started
     # (Kaggle sessions: 9); null: no limit
@@ -130,12 +130,3 @@ class SftParams(Strict):
                 f"not more than warmup_steps ({self.warmup_steps}); lower sft.warmup_steps"
             )
         return self.model_copy(update={"max_steps": steps})
-
-    @property
-    def optim(self) -> OptimizerParams:
-        """The optimizer settings (`max_steps` must be known: see `steps_for`)."""
-        return OptimizerParams(
-            optimizer=self.optimizer, learning_rate=self.learning_rate, max_steps=self.max_steps,
-            warmup_steps=self.warmup_steps, schedule=self.schedule, weight_decay=self.weight_decay,
-            max_grad_norm=self.max_grad_norm,
-        )

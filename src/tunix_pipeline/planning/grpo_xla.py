@@ -84,7 +84,7 @@ def compile_update_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
     from tunix_pipeline.optim import make_optimizer
 
     started = time.perf_counter()
-    mesh, model, optimizer, wrt = abstract_policy(arch, setup, layers, lora, devices, make_optimizer(grpo.optim))
+    mesh, model, optimizer, wrt = abstract_policy(arch, setup, layers, lora, devices, make_optimizer(grpo, grpo.max_steps))
     graph, trained, frozen = nnx.split(model, wrt, ...)
     opt_graph, opt_state = nnx.split(optimizer)
     algo_config, _ = grpo_lib.algorithm(grpo)

@@ -162,7 +162,7 @@ def compile_step(arch: Architecture, setup: TrainSetup, layers: int | None = Non
     if len(devices) < setup.devices:
         raise PlanError(f"the XLA check needs {setup.devices} devices; JAX sees {len(devices)}")
     sft = sft_params(setup)
-    tx = make_optimizer(sft.optim)
+    tx = make_optimizer(sft, sft.max_steps)
     if setup.grad_accum > 1:
         tx = optax.MultiSteps(tx, setup.grad_accum)  # as PeftTrainer wraps it
     loss_fn = loss_fn_for(sft)
