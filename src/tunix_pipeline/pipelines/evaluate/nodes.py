@@ -18,8 +18,9 @@ def _evaluator(eval_tokens, eval_formatted, base_model, sft_result, model, param
     tokenizer = load_tokenizer(base_model["path"])
     # a QLoRA run is evaluated on its full-precision base, as it is exported
     network, _ = load_run_model(base_model["path"], model, mesh, quantize=False)
-    batch_size = sft_result.get("micro_batch_size") or sft_result["global_batch_size"]
-    return network, evaluation.Evaluator(network, tokenizer, mesh, params, eval_tokens, eval_formatted, batch_size)
+    # the eval loss in SFT's micro-batches: rows of SFT's length that fit with their gradients fit without
+    loss_batch_size = sft_result.get("micro_batch_size") or sft_result["global_batch_size"]
+    return network, evaluation.Evaluator(network, tokenizer, mesh, params, eval_tokens, eval_formatted, loss_batch_size)
 
 
 def _harness(network, evaluator, base_model, eval_formatted, params: EvaluateParams):
