@@ -21,7 +21,9 @@ from tunix_pipeline.settings import HOOKS
 
 conf = OmegaConfigLoader(sys.argv[1], base_env="base", default_run_env="local",
                          runtime_params={"runtime": {"output_root": sys.argv[2]}})
-entry = dict(conf["catalog"]["sft_result"], save_args={"indent": 2, "default": lambda _: os.kill(os.getpid(), signal.SIGKILL)})
+pattern = dict(conf["catalog"]["{stage}_result"])  # the catalog's pattern for every stage's result
+entry = dict(pattern, filepath=pattern["filepath"].replace("{stage}", "sft"),
+             save_args={"indent": 2, "default": lambda _: os.kill(os.getpid(), signal.SIGKILL)})
 catalog = DataCatalog.from_config({"sft_result": entry})
 if sys.argv[3] == "hooked":
     hook = next(h for h in HOOKS if isinstance(h, OutputHooks))
