@@ -16,8 +16,8 @@ SFT = {"checkpoint_dir": "data/06_models/sft_checkpoints", "latest_step": 30}
 def test_a_skipped_stage_passes_its_parent_on_and_tags_the_run(tmp_path):
     err = NothingToLearn("preference", "0 training pairs cannot fill one batch of 4 pairs", "lower the margin")
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    try:
-        with mlflow.start_run() as run:
+    try:  # an experiment of this store (another test's may be the active one)
+        with mlflow.start_run(experiment_id=mlflow.MlflowClient().create_experiment("skips")) as run:
             result = skip_stage(err, strict=False, parent_policy=passed_through(SFT))
         tags = mlflow.MlflowClient().get_run(run.info.run_id).data.tags
     finally:
