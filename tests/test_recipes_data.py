@@ -63,5 +63,5 @@ def test_a_gsm8k_recipe_packs_its_data_and_trains_2_to_3_epochs_of_it(gsm8k_form
 
 def test_a_session_without_sft_overrides_a_recipe_that_trains_by_epochs():
     base = yaml.safe_load((ROOT / "conf/base/parameters_sft.yml").read_text())["sft"]
-    sft = SftParams(**{**base, "max_steps": 0, "epochs": 3, "init_from": "parent/checkpoints"})
+    sft = SftParams(**{**base, "learning_rate": 2e-4, "max_steps": 0, "epochs": 3, "init_from": "parent/checkpoints"})
     assert (sft.max_steps, sft.epochs) == (0, None)
