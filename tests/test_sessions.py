@@ -10,6 +10,7 @@ import pytest
 import yaml
 from kedro.framework.session import KedroSession
 from kedro.framework.startup import bootstrap_project
+from omegaconf import OmegaConf
 
 from tunix_pipeline.sessions import Ledger, SessionPlanDone, apply_current_session
 
@@ -98,7 +99,8 @@ def test_sessions_continue_on_new_data_with_lineage(project):
     env = project / "conf" / "two_sessions"
     env.mkdir()
     raw = "data/01_raw"
-    (env / "parameters.yml").write_text(yaml.safe_dump({
+    smoke = yaml.safe_load((project / "conf" / "gpu_smoke" / "parameters.yml").read_text())  # the tiny model's sizes
+    (env / "parameters.yml").write_text(yaml.safe_dump(OmegaConf.to_container(OmegaConf.merge(smoke, {
         "sft": {"max_steps": 40, "checkpoint_every": 20},
         "plan": {"xla_check": {"enabled": False}},
         "preference": {"enabled": False},  # SFT -> GRPO here; the preference stage's sessions: test_recipes.py
@@ -114,7 +116,7 @@ def test_sessions_continue_on_new_data_with_lineage(project):
                 {"name": "polish", "hours": 1, "params": {"sft": {"max_steps": 0}, "grpo": {"max_steps": 1}}},
             ],
         },
-    }))
+    }))))
     bootstrap_project(project)
     models = project / "data" / "06_models"
     # what an earlier run in this process (a notebook kernel, this test session) left in the hooks must not leak in
