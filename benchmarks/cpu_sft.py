@@ -51,12 +51,14 @@ def _rows(args):
 
 
 def _sft_params(args, checkpoint_dir: str):
-    """The pipeline's SFT settings (conf/base/parameters_sft.yml) at this benchmark's batch and length."""
+    """The smoke run's SFT settings (conf/base with conf/gpu_smoke: the tiny model's) at this benchmark's batch and
+    length."""
     import yaml
 
     from tunix_pipeline.config import SftParams
 
     base = yaml.safe_load((common.ROOT / "conf" / "base" / "parameters_sft.yml").read_text())["sft"]
+    base.update(yaml.safe_load((common.ROOT / "conf" / "gpu_smoke" / "parameters.yml").read_text())["sft"])
     total = 1 + args.warmup + args.steps + 1  # the compile step, warm-up, timed steps, one spare
     base.update(
         max_steps=total,

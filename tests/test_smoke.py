@@ -59,7 +59,7 @@ def test_smoke_pipeline_end_to_end_then_resume(project):
     assert "| metric | preference | grpo | grpo − preference |" in grpo_report
     assert "GRPO's mean reward " in grpo_report and " over 4 steps: slope " in grpo_report  # the trend, either way
     grpo_samples = [json.loads(line) for line in (project / "data" / "07_model_output" / "grpo_eval_samples.jsonl").open()]
-    assert {s["model"] for s in grpo_samples} == {"tuned", "grpo"}
+    assert {s["model"] for s in grpo_samples} == {"preference", "grpo"}
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'data' / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("tunix_pipeline").experiment_id])[0]

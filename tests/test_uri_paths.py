@@ -79,9 +79,10 @@ def test_sft_checkpoints_resume_restore_and_export_through_gs(bucket, tiny_model
     # export.output_dir on gs://: written locally, then copied over the bucket folder (stale files removed)
     (bucket / "run" / "exported").mkdir(parents=True)
     (bucket / "run" / "exported" / "model-00001-of-00009.safetensors").write_bytes(b"an older export")
-    out = export_model({"path": str(tiny_model_dir)}, {"checkpoint_dir": uri, "latest_step": 3}, {"enabled": False},
-                       {"enabled": False}, ModelParams(source=str(tiny_model_dir)), ExportParams(output_dir="gs://bucket/run/exported"),
-                       RuntimeParams(mesh={"fsdp": 4, "tp": 2}), FormatParams())
+    out = export_model({"path": str(tiny_model_dir)}, ModelParams(source=str(tiny_model_dir)),
+                       ExportParams(output_dir="gs://bucket/run/exported"), RuntimeParams(mesh={"fsdp": 4, "tp": 2}),
+                       FormatParams(), sft_result={"checkpoint_dir": uri, "latest_step": 3},
+                       preference_result={"enabled": False}, grpo_result={"enabled": False})
     assert out["path"] == "gs://bucket/run/exported" and out["checkpoint_step"] == 3
     assert not (bucket / "run" / "exported" / "model-00001-of-00009.safetensors").exists()
     exported, _ = load_pretrained(bucket / "run" / "exported")
