@@ -117,7 +117,7 @@ def test_smoke_pipeline_end_to_end_then_resume(project):
     assert sft["lora"] and sft["trainable_params"] < sft["total_params"] / 4
     assert json.loads((reporting / "eval_metrics.json").read_text())["tuned"]["checkpoint_step"] == 20
     grpo = json.loads((project / "data" / "06_models" / "grpo_result.json").read_text())
-    assert grpo["lora"] and grpo["sft_step"] == 20 and grpo["latest_step"] == 1 and not grpo["reference_model"]
+    assert grpo["lora"] and grpo["start_step"] == 20 and grpo["latest_step"] == 1 and not grpo["reference_model"]
     exported = json.loads((project / "data" / "06_models" / "exported_model.json").read_text())
     assert (exported["stage"], exported["checkpoint_step"], exported["merged_lora"]) == ("grpo", 1, True)
     assert (project / "data" / "06_models" / "lora_export" / "model.safetensors").is_file()

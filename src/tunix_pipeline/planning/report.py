@@ -6,6 +6,7 @@ from tunix_pipeline.planning.goodput import hours_text as _hours
 from tunix_pipeline.planning.goodput import markdown_lines as goodput_lines
 from tunix_pipeline.planning.memory import GIB
 from tunix_pipeline.planning.plan import Plan, Row, size
+from tunix_pipeline.stages import POLISH
 
 
 def _money(x: float | None) -> str:
@@ -86,15 +87,10 @@ def markdown(plan: Plan) -> str:
         lines += ["**It would fit with any of:**", ""] + [f"- {a}" for a in plan.advice] + [""]
     if plan.xla:
         lines += xla_section(plan.xla) + [""]
-    if plan.preference:
-        from tunix_pipeline.planning.preference import markdown_section
-
-        lines += markdown_section(plan) + [""]
-    if plan.grpo:
-        from tunix_pipeline.planning import grpo
-
-        lines += grpo.markdown_section(plan) + [""]
-    if plan.preference or plan.grpo:
+    planned = [stage for stage in POLISH if getattr(plan, stage.name)]  # the polish stages on, in the chain's order
+    for stage in planned:
+        lines += _polish_section(stage.name, plan) + [""]
+    if planned:
         lines += stages_line(plan) + [""]
     lines += [
         "## Every hardware profile",
@@ -162,6 +158,13 @@ def xla_section(x: dict) -> list[str]:
             "memory than the accelerator run above; the estimate has coefficients fitted to each compiler.",
         ]
     return lines
+
+
+def _polish_section(stage: str, plan: Plan) -> list[str]:
+    """A polish stage's section of the report: its memory and time (`planning.<stage>.markdown_section`)."""
+    from tunix_pipeline.planning import grpo, preference  # they build on this module's helpers
+
+    return {"preference": preference.markdown_section, "grpo": grpo.markdown_section}[stage](plan)
 
 
 def stages_line(plan: Plan) -> list[str]:
