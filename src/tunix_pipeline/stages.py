@@ -37,10 +37,6 @@ class Stage:
     def checkpoint_setting(self) -> str:
         return f"{self.name}.checkpoint_dir"
 
-    @property
-    def optional(self) -> bool:
-        return self.parent is not None
-
     def eval_outputs(self) -> list[str]:
         """The evaluation after a polish stage: metrics, samples, report, curves."""
         return [f"{self.name}_eval_metrics", f"{self.name}_eval_samples", f"{self.name}_eval_report",
@@ -52,12 +48,8 @@ PREFERENCE = Stage("preference", "preference", "run_preference", parent="sft",
                    history_keys=("loss", "rewards/margin"), time_budget=True)
 GRPO = Stage("grpo", "GRPO", "run_grpo", parent="preference", history_keys=("reward",))
 STAGES = (SFT, PREFERENCE, GRPO)
-POLISH = tuple(stage for stage in STAGES if stage.optional)
+POLISH = tuple(stage for stage in STAGES if stage.parent is not None)  # optional: off passes the policy on
 TRAINING_NODES = frozenset(stage.train_node for stage in STAGES)
-
-
-def stage_named(name: str) -> Stage:
-    return next(stage for stage in STAGES if stage.name == name)
 
 
 def policy_stage(result: dict) -> str:
