@@ -29,7 +29,10 @@ def _runs(path):
     return client, client.search_runs(experiments, order_by=["start_time DESC"])
 
 
-@pytest.mark.parametrize("env", [None, "gpu_smoke", "tpu_full"])
+ENVIRONMENTS = sorted(p.name for p in (Path(__file__).parents[1] / "conf").iterdir() if p.name not in ("base", "local"))
+
+
+@pytest.mark.parametrize("env", [None, *ENVIRONMENTS])
 def test_every_environment_validates(project, env):
     with _session(project, env) as session:
         params = session.load_context().params
