@@ -434,4 +434,7 @@ def test_too_few_pairs_stop_before_any_weights_load(tmp_path, tokenizer):
     assert "lower preference.from_rewards.margin" in caught.value.fix and caught.value.stage == "preference"
     all_equal = {"pairs": "from_rewards", "train": {"prompts": 64, "pairs": 0, "below_margin": 64, "equal_rewards": 64}}
     assert why_too_few(all_equal, {}, params)[0] == "all 4 samples of each of the 64 prompts scored equal rewards"
+    from_data = {"pairs": "from_data", "data_quality": {"totals": {"train_rows": 3}}}
+    assert why_too_few(from_data, {}, params) == ("preference.data gave 3 training pairs",
+                                                  "add pairs to preference.data, or lower preference.per_device_batch_size")
     assert preference.check_enough_pairs(4, params, mesh) == 4

@@ -155,7 +155,8 @@ def why_too_few(report: dict, dropped: dict, params: PreferenceParams) -> tuple[
             fixes.append("lower preference.from_rewards.margin, raise from_rewards.num_samples, temperature or "
                          "max_prompts, or train SFT further so its samples differ in reward")
     else:
-        causes.append(f"preference.data gave {report.get('data_quality', {}).get('train_rows', 'too few')} training pairs")
+        rows = (report.get("data_quality") or {}).get("totals", {}).get("train_rows", "too few")
+        causes.append(f"preference.data gave {rows} training pairs")
         fixes.append("add pairs to preference.data")
     if dropped and sum(dropped.values()):
         causes.append(f"tokenizing dropped {dropped}")

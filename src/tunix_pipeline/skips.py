@@ -41,7 +41,7 @@ def skip_stage(err: NothingToLearn, strict: bool, parent_policy: dict) -> dict:
     log.warning("%s skipped: %s. To train it: %s (`%s.strict: true` fails the run instead)",
                 err.stage, err.reason, err.fix, err.stage)
     _tag_run(err)
-    return {**parent_policy, "enabled": False, "skipped": True, "skip_reason": err.reason, "skip_fix": err.fix}
+    return {**parent_policy, "skipped": True, "skip_reason": err.reason, "skip_fix": err.fix}
 
 
 def _tag_run(err: NothingToLearn) -> None:
