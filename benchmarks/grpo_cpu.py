@@ -178,7 +178,7 @@ class _Recorder:
 
 def worker_ours(settings: dict, model_dir: str) -> dict:
     """`train_grpo` on the model with LoRA, as the grpo node calls it; timers around Tunix's rollout, rewards and
-    actor update (class methods wrapped in this process only)."""
+    actor update (class methods wrapped while it runs, restored after)."""
     import jax
     from tunix.rl import rl_cluster as rl_cluster_lib
     from tunix.rl import rl_learner
@@ -213,10 +213,6 @@ def worker_ours(settings: dict, model_dir: str) -> dict:
 
         return wrapper
 
-    rl_cluster_lib.RLCluster.generate = timed(rl_cluster_lib.RLCluster.generate, "generation")
-    rl_learner.RLLearner._compute_rewards = timed(rl_learner.RLLearner._compute_rewards, "scoring")
-    rl_cluster_lib.RLCluster.update_actor = update_actor(rl_cluster_lib.RLCluster.update_actor)
-
     _Recorder.events = []
     mesh = runtime.make_mesh(RuntimeParams(mesh="auto"), devices=jax.devices()[:1])
     tokenizer = load_tokenizer(model_dir)
@@ -225,11 +221,21 @@ def worker_ours(settings: dict, model_dir: str) -> dict:
     lora = LoraParams(rank=settings["lora_rank"], alpha=settings["lora_alpha"])
     model, _ = load_run_model(model_dir, ModelParams(source=model_dir, dtype="float32", lora=lora), mesh)
     loaded_rss = common.peak_rss_mb()
-    with tempfile.TemporaryDirectory() as tmp:
-        params = grpo_params(settings, str(Path(tmp) / "grpo"))
-        started = time.perf_counter()
-        result = train_grpo(model, tokenizer, formatted, params, mesh, metrics_backends=[_Recorder])
-        wall = time.perf_counter() - started
+    patches = [(rl_cluster_lib.RLCluster, "generate", timed(rl_cluster_lib.RLCluster.generate, "generation")),
+               (rl_learner.RLLearner, "_compute_rewards", timed(rl_learner.RLLearner._compute_rewards, "scoring")),
+               (rl_cluster_lib.RLCluster, "update_actor", update_actor(rl_cluster_lib.RLCluster.update_actor))]
+    originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+    try:
+        for owner, name, wrapper in patches:
+            setattr(owner, name, wrapper)
+        with tempfile.TemporaryDirectory() as tmp:
+            params = grpo_params(settings, str(Path(tmp) / "grpo"))
+            started = time.perf_counter()
+            result = train_grpo(model, tokenizer, formatted, params, mesh, metrics_backends=[_Recorder])
+            wall = time.perf_counter() - started
+    finally:  # the classes as they were (a test may run this worker in its process)
+        for owner, name, original in originals:
+            setattr(owner, name, original)
     split = split_steps(clock["ends"], clock["first_start"], clock["generation"], clock["scoring"])
     history = result["history"]
     compile_in_timed = clock["compile_at_end"][-1] - clock["compile_at_end"][0] if clock["compile_at_end"] else None
@@ -497,7 +503,7 @@ def run(args) -> dict:
                     {"model_dir": model_dir, "load": loads})
 
 
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a few minutes: " + json.dumps(QUICK))
     p.add_argument("--batch-size", type=int, help=f"prompts per step (default {FULL['batch_size']})")
@@ -516,7 +522,11 @@ def main(argv=None) -> dict:
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     p.add_argument("--settings", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> dict:
+    args = parser().parse_args(argv)
     if args.worker:
         result = WORKERS[args.worker](json.loads(args.settings), args.model_dir)
     else:
