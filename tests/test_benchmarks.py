@@ -128,3 +128,38 @@ def test_generation_benchmark_times_ours_and_transformers_on_the_same_ids(tiny_m
     assert all(runs[k]["compiles_timed"] == 0 for k in runs if k[0].startswith("ours"))
     assert runs[("ours", 2, True)]["prefilled_tokens"] == 16 and runs[("ours_ungrouped", 2, True)]["prefilled_tokens"] == 32
     assert {"vs_transformers", "vs_ours_ungrouped"} <= set(result["ratios"][-1])
+
+
+def test_grpo_cpu_splits_each_step_and_assembles_the_result():
+    from benchmarks import grpo_cpu
+
+    # steps end at 10, 13, 17 s (the first started at 0): 10 s (compiling, not timed), then 3 s and 4 s
+    split = grpo_cpu.split_steps([10.0, 13.0, 17.0], 0.0, [6.0, 1.0, 2.0], [0.5, 0.25, 0.75])
+    assert split["each_step_seconds"] == [10.0, 3.0, 4.0] and split["steps_timed"] == 2
+    assert split["step_seconds"] == pytest.approx(3.5) and split["generation_seconds"] == pytest.approx(1.5)
+    assert split["scoring_seconds"] == pytest.approx(0.5) and split["update_seconds"] == pytest.approx(1.5)
+    ours = grpo_cpu.summary(split, completions_per_step=8)
+    assert ours["completions_per_hour"] == pytest.approx(8 * 3600 / 3.5)
+    trl = {**ours, "completions_per_hour": ours["completions_per_hour"] / 4}
+    settings = grpo_cpu.make_settings(grpo_cpu.parser().parse_args(["--quick"]))
+    assert (settings["batch_size"], settings["num_generations"], settings["total_steps"]) == (1, 2, 3)
+    assert settings["beta"] == 0.04 and settings["lora_rank"] == 16  # GrpoParams' and LoraParams' defaults
+    result = grpo_cpu.assemble(ours, trl, settings, common.machine())
+    assert result["ratio_vs_trl"] == pytest.approx(4.0)
+    assert list(result["ours"])[: len(grpo_cpu.KEYS)] == list(grpo_cpu.KEYS)
+    assert "first (compiling) step is excluded" in result["timing"]
+
+
+def test_grpo_cpu_feeds_ours_and_trl_the_same_prompts(tiny_model_dir):
+    pytest.importorskip("trl")
+    from benchmarks import grpo_cpu
+
+    args = ["--quick", "--steps", "1", "--max-completion-length", "4", "--max-prompt-length", "512", "--max-rows", "16"]
+    settings = grpo_cpu.make_settings(grpo_cpu.parser().parse_args(args))
+    ours = grpo_cpu.worker_ours(settings, str(tiny_model_dir))
+    trl = grpo_cpu.worker_trl(settings, str(tiny_model_dir))
+    for r in (ours, trl):
+        assert r["steps_timed"] == 1 and r["steps_trained"] == 2 and r["completions_per_hour"] > 0
+        assert r["generation_seconds"] > 0 and r["update_seconds"] > 0 and r["peak_rss_mb"] > 0
+        assert 1 <= r["mean_completion_tokens"] <= 4
+    assert ours["prompt_ids"] == trl["prompt_ids"] and ours["mean_prompt_tokens"] == trl["mean_prompt_tokens"]
