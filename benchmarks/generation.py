@@ -87,7 +87,7 @@ def prepare(work: Path, model_dir: str | None, gguf: bool) -> dict:
     from flax import nnx
 
     from tunix_pipeline.config import ModelParams
-    from tunix_pipeline.models import export_pretrained, load_pretrained, load_tokenizer, resolve_model_dir
+    from tunix_pipeline.models import export_pretrained, load_pretrained, resolve_model_dir
 
     if model_dir is None:
         model, tokenizer = load_pretrained(resolve_model_dir(
@@ -104,7 +104,7 @@ def prepare(work: Path, model_dir: str | None, gguf: bool) -> dict:
              "head_dim": c.head_dim, "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))}
     questions = [json.loads(line)["question"] for line in
                  (common.ROOT / "data" / "01_raw" / "gsm8k" / "train.jsonl").read_text().splitlines()[:400]]
-    ids = [t for q in questions for t in load_tokenizer(folder).encode(q, add_special_tokens=False)]
+    ids = [t for q in questions for t in tokenizer.encode(q, add_special_tokens=False)]
     files = {k: str(next((work / "gguf").glob(f"*-{k}.gguf"))) for k in ("f32", "f16")} if gguf else {}
     return {"hf": str(folder), "gguf": files, "shape": shape, "ids": ids, "bos": tokenizer.bos_token_id}
 
@@ -368,20 +368,22 @@ def main(argv: list[str] | None = None) -> dict:
                        "--batch", str(case["batch"]), "--prompt-tokens", str(case["prompt_tokens"]),
                        "--new-tokens", str(new), "--repeats", str(args.repeats), "--dtype", args.dtype, *flags]
                 print(f"{engine} {case}", file=sys.stderr, flush=True)
-                out = common.run_json(cmd, timeout=args.timeout)
+                # torch's OpenMP threads spin while they wait, which on a shared CPU slows it several-fold
+                out = common.run_json(cmd, timeout=args.timeout, env={"OMP_WAIT_POLICY": os.environ.get(
+                    "OMP_WAIT_POLICY", "PASSIVE")})
                 if "error" in out:
                     failed.append({"engine": engine, **case, **out})
                     continue
                 runs.append(summarise(engine, case, new, out, prep, limits, args.dtype))
                 print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
                 if args.out:  # what has run so far survives a run cut short
-                    Path(args.out).write_text(json.dumps(result(args, new, limits, runs, failed), indent=2))
-    out = result(args, new, limits, runs, failed)
+                    Path(args.out).write_text(json.dumps(assemble(args, new, limits, runs, failed), indent=2))
+    out = assemble(args, new, limits, runs, failed)
     common.emit(out, args.out)
     return out
 
 
-def result(args, new: int, limits: dict, runs: list[dict], failed: list[dict]) -> dict:
+def assemble(args, new: int, limits: dict, runs: list[dict], failed: list[dict]) -> dict:
     return {"benchmark": "generation", "model": args.model or PACKAGE, "dtype": args.dtype, "new_tokens": new,
             "machine": common.machine(), "limits": limits, "runs": runs, "ratios": ratios(runs), "failed": failed}
 
