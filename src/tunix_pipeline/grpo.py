@@ -27,7 +27,7 @@ import pandas as pd
 from tunix_pipeline import checkpoints, progress, upstream
 from tunix_pipeline.config import GrpoParams
 from tunix_pipeline.errors import UserError
-from tunix_pipeline.generation import fitting_prompts, make_sampler
+from tunix_pipeline.generation import fitting_prompts
 from tunix_pipeline.optim import make_optimizer
 from tunix_pipeline.paths import storage_path
 from tunix_pipeline.processes import barrier
@@ -217,19 +217,6 @@ def _rollout_config(params: GrpoParams, tokenizer):
     )
 
 
-def _grouped_rollout():
-    """Tunix's vanilla rollout over our sampler (`generation.Sampler`), given to the cluster as its rollout engine:
-    Tunix's learner asks for each prompt's G completions as G consecutive copies, which our sampler prefills once."""
-    from tunix.rl.rollout import vanilla_rollout
-
-    class GroupedRollout(vanilla_rollout.VanillaRollout):
-        def __init__(self, rollout_actor, tokenizer, mesh, rollout_config, group_size: int):
-            del mesh  # the sampler runs where the actor's arrays are, as Tunix's vanilla rollout does
-            self._sampler = make_sampler(rollout_actor, tokenizer, rollout_config.kv_cache_size, group_size)
-
-    return GroupedRollout
-
-
 def _cluster_config(params: GrpoParams, mesh, root, logging_options, rollout):
     """Actor, reference and rollout on one mesh; the actor's optimizer, steps and checkpoints."""
     from tunix.rl import rl_cluster as rl_cluster_lib
@@ -239,7 +226,7 @@ def _cluster_config(params: GrpoParams, mesh, root, logging_options, rollout):
     roles = rl_cluster_lib.Role
     return rl_cluster_lib.ClusterConfig(
         role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},
-        rollout_engine=functools.partial(_grouped_rollout(), group_size=params.num_generations),
+        rollout_engine=functools.partial(upstream.grouped_rollout(), group_size=params.num_generations),
         offload_to_cpu=False,
         training_config=rl_cluster_lib.RLTrainingConfig(
             actor_optimizer=make_optimizer(params, params.max_steps),
