@@ -147,10 +147,12 @@ def whole_model(compile_at, arch: Architecture, max_layers: int | None, period: 
     }
 
 
-def estimates(arch: Architecture, setup: TrainSetup, roll: TrainSetup) -> dict:
-    """The analytic bytes of the very programs compiled: the decode step (the rollout's `roll`) and the train step."""
+def estimates(arch: Architecture, setup: TrainSetup, roll: TrainSetup | None = None) -> dict:
+    """The analytic bytes of the very programs compiled: the decode step (the rollout's `roll`, else `setup`'s
+    sequences) and the train step (one micro-batch)."""
     from tunix_pipeline.planning.grpo import decode_program_bytes
 
+    roll = roll or setup.replace(grad_accum=1)
     return {"generation": decode_program_bytes(arch, roll, roll.per_device_batch),
             "update": estimate_memory(arch, setup.replace(grad_accum=1)).peak}
 
