@@ -35,12 +35,17 @@ def test_generation_and_update_follow_the_math():
     g = plan.grpo["selected"]
     assert plan.job.arch.params == N and g["sequences_per_device"] == 1 and g["sequence_length"] == 384
     hw = PLAN.profiles["kaggle-tpu-v5e-8"]
-    mfu, util = hw.mfu, PLAN.decode_utilisation
+    mfu, fraction = hw.mfu, hw.decode_roofline_fraction
     rate = 8 * CHIP_FLOPS * mfu  # 8 chips
     # each of the 256 decode steps reads the whole bf16 model (fsdp gathers it) and, on average, the cache of
-    # 128 + 128 positions: 18 layers x keys and values x 1 head x 256 dims x 2 bytes, one sequence a chip
+    # 128 + 128 positions: 18 layers x keys and values x 1 head x 256 dims x 2 bytes, one sequence a chip; its
+    # roofline is those bytes over the chip's bandwidth (2 FLOPs a weight for one sequence are far less time)
     kv_average = 18 * 2 * (128 + 128) * 256 * 2
-    decode = 256 * (2 * N + kv_average) / (HBM * util)
+    roofline = max(2 * N / CHIP_FLOPS, (2 * N + kv_average) / HBM)
+    assert roofline == (2 * N + kv_average) / HBM
+    d = g["decode_step"]
+    assert d["from"] == "estimate" and d["bound"] == "memory" and d["roofline_seconds"] == pytest.approx(roofline, rel=1e-12)
+    decode = 256 * roofline / fraction
     prefill = 2 * N * 8 * 128 / rate  # 2 prompts x 4 completions, one forward pass over the prompt
     assert g["generation_seconds"] == pytest.approx(decode + prefill, rel=1e-9)
     # full fine-tuning: forward, input and weight gradients (6 FLOPs per weight and token, the output head
@@ -115,13 +120,89 @@ def test_grpo_compiles_for_a_kaggle_v5e_8():
     # the plan rests on the compiled figures
     g = add_grpo(plan, grpo, plan_params, 9, compiled).grpo["selected"]
     assert g["generation_from"] == g["update_from"] == g["update_flops_from"] == "XLA:TPU" and g["fits"]
-    assert g["update_flops"] == pytest.approx(compiled["update"]["flops_per_device"] * 8)
-    # the update's FLOPs: 4 a frozen weight and token (forward and input gradients) for 8 sequences of 480 tokens,
-    # attention and LoRA on top
+    # the update is compiled for one micro-batch; a step runs batch / micro of them
+    completions, micro = grpo.batch_size * grpo.num_generations, grpo.batch_size // grpo.micro_batch_size
+    assert g["update_flops"] == pytest.approx(compiled["update"]["flops_per_device"] * 8 * micro)
+    # the update's FLOPs: 4 a frozen weight and token (forward and input gradients) for the sequences of 480
+    # tokens, attention and LoRA on top
     frozen = 3 * (2304 * 2048 + 2 * 2304 * 1024 + 2048 * 2304 + 3 * 2304 * 9216) + 256_000 * 2304
-    assert 1.0 < g["update_flops"] / (4 * frozen * 8 * 480) < 1.6
+    assert 1.0 < g["update_flops"] / (4 * frozen * completions * 480) < 1.6
+    # the decode step's roofline rests on XLA:TPU's cost analysis: its FLOPs and bytes accessed per chip
+    d, x = g["decode_step"], compiled["generation"]
+    assert d["from"] == "XLA:TPU" and (d["flops"], d["bytes"]) == (x["flops_per_device"], x["bytes_accessed_per_device"])
+    assert x["bytes_accessed_per_device"] > 3 * frozen * 2 / 8  # at least each chip's share of the bf16 weights
+    assert d["roofline_seconds"] == max(d["flops"] / CHIP_FLOPS, d["bytes"] / HBM)
+    print(f"GRPO decode step: {d['flops'] / 1e9:.3g} GFLOP, {d['bytes'] / 1e9:.3g} GB per chip, roofline "
+          f"{d['roofline_seconds'] * 1e3:.3g} ms ({d['bound']}-bound)")
 
 
-def test_every_profile_carries_its_memory_bandwidth_with_its_source():
+def _with_fraction(fraction):
+    profiles = {**BASE["profiles"], "kaggle-tpu-v5e-8": {**BASE["profiles"]["kaggle-tpu-v5e-8"],
+                                                         "decode_roofline_fraction": fraction}}
+    return PlanParams(**{**BASE, "hardware": "kaggle-tpu-v5e-8", "profiles": profiles})
+
+
+def test_the_decode_step_is_its_roofline_over_the_fraction_our_sampler_reaches():
+    grpo = {"batch_size": 4, "num_generations": 8}  # 32 completions, 4 a chip
+    full, half = (_plan(plan=_with_fraction(f), **grpo).grpo["selected"] for f in (1.0, 0.5))
+    d = full["decode_step"]
+    # a fraction of 1.0 is exactly the roofline, the larger of FLOPs / peak and bytes / bandwidth per chip
+    assert d["roofline_seconds"] == max(d["flops"] / CHIP_FLOPS, d["bytes"] / HBM) and d["seconds"] == d["roofline_seconds"]
+    assert d["flops"] == pytest.approx(2 * N * 4) and d["bytes"] > 2 * N  # 4 sequences a chip; the weights and the cache
+    prefill = 2 * N * 32 * 128 / (8 * CHIP_FLOPS * PLAN.profiles["kaggle-tpu-v5e-8"].mfu)
+    assert full["generation_seconds"] == pytest.approx(prefill + 256 * d["roofline_seconds"], rel=1e-9)
+    # half the fraction: twice the decoding time
+    assert half["decode_step"]["seconds"] == pytest.approx(2 * d["seconds"], rel=1e-12)
+    assert half["generation_seconds"] - prefill == pytest.approx(2 * (full["generation_seconds"] - prefill), rel=1e-9)
+    # XLA:TPU's cost analysis of the compiled decode step, when there is one, in place of the estimate's figures
+    compiled = {"topology": "v5e:2x4", "generation": {"flops_per_device": 1e12, "bytes_accessed_per_device": 4e10}}
+    params = GrpoParams(**{"enabled": True, "max_steps": 150, "max_prompt_length": 128, "max_completion_length": 256,
+                           "checkpoint_every": 50, **grpo})
+    plan = build_plan(GEMMA_2B, SFT, RuntimeParams(), TokenizeParams(max_length=512), PLAN)
+    x = add_grpo(plan, params, PLAN, 9, compiled).grpo["selected"]["decode_step"]
+    assert x["from"] == "XLA:TPU" and (x["flops"], x["bytes"]) == (1e12, 4e10)
+    assert x["roofline_seconds"] == max(1e12 / CHIP_FLOPS, 4e10 / HBM) == 4e10 / HBM
+    assert x["seconds"] == pytest.approx(x["roofline_seconds"] / 0.5)
+    assert "from XLA:TPU's cost analysis of the compiled step" in _markdown(plan)
+    # a profile without a fraction: no decoding time
+    blind = _plan(plan=_with_fraction(None), **grpo).grpo["selected"]
+    assert blind["decode_step"]["seconds"] is None and blind["hours"] is None
+
+
+def test_the_update_follows_the_micro_batch_and_the_rollout_the_whole_batch():
+    whole = _plan(batch_size=8, num_generations=8).grpo["selected"]
+    micro = _plan(batch_size=8, num_generations=8, micro_batch_size=2).grpo["selected"]
+    assert whole["sequences_per_device"] == micro["sequences_per_device"] == 8
+    assert micro["update_sequences_per_device"] == 2 and micro["micro_batches"] == 4
+    assert micro["update_gib"] < whole["update_gib"] and micro["generation_seconds"] == whole["generation_seconds"]
+    assert micro["update_flops"] == whole["update_flops"]  # the same sequences, a quarter at a time
+
+
+def test_every_profile_carries_its_memory_bandwidth_and_decode_fraction_with_their_sources():
+    recipes = [yaml.safe_load((ROOT / f"conf/{env}/parameters.yml").read_text())["plan"]
+               for env in ("kaggle_gemma3_1b_v5e8", "kaggle_gemma2_2b_v5e8")]
     for name, hw in PLAN.profiles.items():
         assert hw.hbm_gb_per_s and len(hw.hbm_source) > 20, name
+        # measured (on what) or assumed (said so); never a seed's observed GRPO rate
+        assert 0 < hw.decode_roofline_fraction <= 1 and hw.decode_source.startswith(("measured", "assumed")), name
+        assert "seed" not in hw.decode_source and "150-200" not in hw.decode_source, name
+        for recipe in recipes:  # the recipes keep the catalogue's figure
+            assert not {"decode_roofline_fraction", "decode_source"} & set(recipe["profiles"].get(name, {})), name
+    kinds = {hw.kind: hw.decode_source for hw in PLAN.profiles.values()}
+    assert kinds["cpu"].startswith("measured") and "XLA:TPU's cost analysis" in kinds["tpu"]
+
+
+def test_the_old_decode_utilisation_is_one_line_naming_its_replacement():
+    from pydantic import ValidationError
+
+    from tunix_pipeline.config.validation import one_line
+
+    for where in ("plan", "profile"):
+        profiles = BASE["profiles"]
+        if where == "profile":
+            profiles = {**profiles, "cpu": {**profiles["cpu"], "decode_utilisation": 0.012}}
+        data = {**BASE, "profiles": profiles, **({"decode_utilisation": 0.5} if where == "plan" else {})}
+        with pytest.raises(ValidationError) as err:
+            PlanParams(**data)
+        line = one_line("plan", PlanParams, err.value)
+        assert "\n" not in line and "decode_utilisation" in line and "decode_roofline_fraction" in line, line

@@ -30,10 +30,17 @@ class HardwareProfile(Strict):
     # decoding (GRPO's rollouts) reads every weight and the KV cache for each token: HBM bandwidth bounds it
     hbm_gb_per_s: float | None = Field(None, gt=0, description="memory bandwidth per device (GB/s)")
     hbm_source: str = ""  # the spec sheet it comes from
-    decode_utilisation: float | None = Field(
-        None, gt=0, le=1, description="assumed share of hbm_gb_per_s a decode step reaches; overrides plan's"
+    # a GRPO decode step's time: its roofline (max of FLOPs / peak and bytes / hbm_gb_per_s, per device; XLA:TPU's
+    # cost analysis of the compiled step, else the estimate's) over the share of it our sampler reaches
+    decode_roofline_fraction: float | None = Field(
+        None, gt=0, le=1, description="share of the decode step's roofline our sampler reaches; null: no decode time"
     )
-    decode_source: str = ""  # where the assumed decode utilisation comes from
+    decode_source: str = ""  # what decode_roofline_fraction comes from: a measurement (what, where) or an assumption
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_decode_utilisation(cls, data):
+        return _renamed_decode_utilisation(data)
 
     @model_validator(mode="after")
     def _topology_has_the_devices(self):
@@ -54,6 +61,19 @@ class HardwareProfile(Strict):
     note: str = ""
     # another estimate of SFT on this machine (a seed's), printed beside the plan's examples per session; it sizes nothing
     quoted_estimate: str = ""
+    # another figure for GRPO on this machine (a seed's), printed beside the plan's completions an hour; it sizes nothing
+    quoted_grpo_estimate: str = ""
+
+
+def _renamed_decode_utilisation(data):
+    """The old key, a share of HBM bandwidth, as one clear error naming its replacement."""
+    if isinstance(data, dict) and "decode_utilisation" in data:
+        raise ValueError(
+            "decode_utilisation (a share of HBM bandwidth) is replaced by a profile's decode_roofline_fraction: the "
+            "share of the decode step's roofline (XLA:TPU's cost analysis or the estimate) the sampler reaches, "
+            "with decode_source saying what it was measured on or assumed from (docs/plan.md)"
+        )
+    return data
 
 
 class PlanBudget(Strict):
@@ -79,8 +99,6 @@ class PlanParams(Strict):
     mfu: float = Field(0.47, gt=0, le=1, description="assumed model FLOP utilisation")
     # decoding (pair building, GRPO rollouts) reads every weight per token of a batch: far below training's MFU
     generation_mfu: float = Field(0.05, gt=0, le=1, description="assumed FLOP utilisation while generating")
-    # GRPO's rollouts: a decode step's time is the bytes it reads (weights, KV cache) over this share of HBM bandwidth
-    decode_utilisation: float = Field(0.5, gt=0, le=1, description="assumed share of HBM bandwidth while decoding")
     checkpoint_seconds: float | None = Field(None, ge=0, description="null: checkpoint bytes / checkpoint_gb_per_s")
     checkpoint_gb_per_s: float = Field(0.5, gt=0)
     session_setup_minutes: float = Field(30.0, ge=0, description="per session: install, load, compile")
@@ -98,6 +116,11 @@ class PlanParams(Strict):
     profiles: dict[str, HardwareProfile] = Field(min_length=1)
     # hub id -> its config.json, for models not downloaded yet
     architectures: dict[str, dict]  # no default: conf/base holds the table
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_decode_utilisation(cls, data):
+        return _renamed_decode_utilisation(data)
 
     @model_validator(mode="after")
     def _known_hardware(self):

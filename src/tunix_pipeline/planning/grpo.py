@@ -7,13 +7,18 @@ A step of Tunix's GRPOLearner (our `grpo.py`, vanilla rollout, the actor's mesh 
    cache of sequences x (prompt + completion) positions, keys and values per layer, in the model's
    dtype; the model's activation sharding splits the sequences over fsdp). The trainer's state
    stays in memory meanwhile: the policy, its optimizer state and the reference.
-   Time: the prefill's FLOPs at the profile's MFU, then each decode step reads every weight (the
-   fsdp all-gather brings each chip the whole layer) and the cache so far, at the profile's HBM
-   bandwidth x `decode_utilisation` (decoding a few sequences is bound by memory, not FLOPs).
+   Time: the prefill's FLOPs at the profile's MFU, then `max_completion_length` decode steps, each
+   its **roofline** (per device, the larger of FLOPs / peak and bytes / HBM bandwidth) over the
+   profile's `decode_roofline_fraction`, the share of the roofline our sampler reaches (measured or
+   assumed: its `decode_source`). The roofline's FLOPs and bytes are XLA:TPU's cost analysis of the
+   compiled decode step when `grpo_xla` compiled it, else the estimate's: every weight (the fsdp
+   all-gather brings each chip the whole layer) and the cache half full, and 2 FLOPs a weight and sequence.
 2. **update**: the reference model's log-probabilities (`beta > 0`, one forward pass) and, with
    `num_iterations > 1`, the old policy's, then `num_iterations` optimizer steps: SFT's train step
    shape at batch x G sequences of prompt + completion tokens, without loss chunks (Tunix's GRPO
-   loss takes the whole logits), no micro-batching (grpo.py leaves Tunix's at the whole batch).
+   loss takes the whole logits); with `micro_batch_size`, micro x G sequences at a time, their gradients
+   accumulated (grpo.py's Tunix micro-batches: the log-probabilities and the gradient; the rollout still
+   decodes the whole batch at once).
 
 The reference (`grpo.frozen_copy`) shares the actor's arrays until the actor changes them: a
 whole copy of the weights with full fine-tuning, only the adapters with LoRA.
@@ -30,17 +35,30 @@ from tunix_pipeline.planning.memory import GIB, NF4_BYTES, TrainSetup, estimate_
 from tunix_pipeline.planning.plan import Plan, Row, size
 
 
-def sequences_per_device(grpo: GrpoParams, setup: TrainSetup) -> int:
-    """Completions a device holds: batch x G split over the data-parallel devices (whole when it does not divide)."""
-    sequences = grpo.batch_size * grpo.num_generations
+def sequences_per_device(grpo: GrpoParams, setup: TrainSetup, prompts: int | None = None) -> int:
+    """Completions a device holds: `prompts` (the batch) x G split over the data-parallel devices (whole when it
+    does not divide)."""
+    sequences = (prompts or grpo.batch_size) * grpo.num_generations
     dp = setup.data * setup.fsdp
     return sequences // dp if sequences % dp == 0 else sequences
 
 
+def micro_batches(grpo: GrpoParams) -> int:
+    """The update's micro-batches a step (gradients accumulated): batch / micro_batch_size, else 1."""
+    return grpo.batch_size // grpo.micro_batch_size if grpo.micro_batch_size else 1
+
+
 def update_setup(row: Row, grpo: GrpoParams) -> TrainSetup:
-    """The policy's train step on this profile: batch x G sequences of prompt + completion tokens."""
-    return row.setup.replace(per_device_batch=sequences_per_device(grpo, row.setup),
-                             seq_len=grpo.max_prompt_length + grpo.max_completion_length, grad_accum=1, loss_chunk=None)
+    """The policy's train step on this profile: micro-batch (else batch) x G sequences of prompt + completion
+    tokens, accumulated over the micro-batches."""
+    return row.setup.replace(per_device_batch=sequences_per_device(grpo, row.setup, grpo.micro_batch_size),
+                             seq_len=grpo.max_prompt_length + grpo.max_completion_length,
+                             grad_accum=micro_batches(grpo), loss_chunk=None)
+
+
+def rollout_setup(row: Row, grpo: GrpoParams) -> TrainSetup:
+    """The rollout on this profile: the whole batch x G sequences decoded together."""
+    return update_setup(row, grpo).replace(per_device_batch=sequences_per_device(grpo, row.setup), grad_accum=1)
 
 
 def kv_cache_bytes(arch: Architecture, setup: TrainSetup, sequences: int, positions: int) -> float:
@@ -62,26 +80,48 @@ def decode_program_bytes(arch: Architecture, setup: TrainSetup, sequences: int) 
             + sequences * arch.vocab_size * 4)
 
 
-def _batch_seconds(arch: Architecture, hw, setup: TrainSetup, grpo: GrpoParams, mfu: float, utilisation: float,
+def decode_step(arch: Architecture, hw, setup: TrainSetup, grpo: GrpoParams, compiled: dict | None = None) -> dict:
+    """One decode step per device: its FLOPs and bytes (XLA:TPU's cost analysis of the compiled step, else the
+    estimate's), its roofline (the larger of FLOPs / peak and bytes / HBM bandwidth) and the planned time, that
+    roofline over the profile's `decode_roofline_fraction`; the times are None without both figures."""
+    compiled = compiled or {}
+    if compiled.get("flops_per_device") and compiled.get("bytes_accessed_per_device"):
+        flops, read, source = compiled["flops_per_device"], compiled["bytes_accessed_per_device"], "XLA:TPU"
+    else:
+        seqs, tp = setup.per_device_batch, setup.tp
+        flops = 2 * arch.params * seqs / tp
+        weights_read = arch.params * (NF4_BYTES if setup.mode == "qlora" else setup.c_bytes) / tp
+        # the cache is half full on average
+        read = weights_read + kv_cache_bytes(arch, setup, seqs, grpo.max_prompt_length + grpo.max_completion_length // 2)
+        source = "estimate"
+    fraction = hw.decode_roofline_fraction
+    roofline = bound = None
+    if hw.hbm_gb_per_s:
+        compute, memory = flops / (hw.peak_tflops * 1e12), read / (hw.hbm_gb_per_s * 1e9)
+        roofline, bound = max(compute, memory), "compute" if compute > memory else "memory"
+    return {
+        "flops": flops, "bytes": read, "from": source, "bound": bound, "roofline_seconds": roofline,
+        "roofline_fraction": fraction, "source": hw.decode_source,
+        "seconds": roofline / fraction if roofline is not None and fraction else None,
+    }
+
+
+def _batch_seconds(arch: Architecture, hw, setup: TrainSetup, grpo: GrpoParams, mfu: float, step: dict,
                    compiled_flops: float | None) -> tuple:
-    """(prefill, decode or None without a bandwidth figure, reference/old log-probabilities, updates: seconds;
+    """(prefill, decode or None without a decode step time, reference/old log-probabilities, updates: seconds;
     the update's FLOPs): one batch of rollouts and its num_iterations updates."""
     prompt, completion = grpo.max_prompt_length, grpo.max_completion_length
-    length, seqs = prompt + completion, setup.per_device_batch
+    length = prompt + completion
     sequences = grpo.batch_size * grpo.num_generations
     rate = hw.devices * hw.peak_tflops * 1e12 * mfu
     prefill_seconds = 2 * arch.params * sequences * prompt / rate
-    decode_seconds = None
-    if hw.hbm_gb_per_s:
-        weights_read = arch.params * (NF4_BYTES if setup.mode == "qlora" else setup.c_bytes) / setup.tp
-        cache_read = kv_cache_bytes(arch, setup, seqs, prompt + completion // 2)  # the cache is half full on average
-        decode_seconds = completion * (weights_read + cache_read) / (hw.hbm_gb_per_s * 1e9 * utilisation)
+    decode_seconds = None if step["seconds"] is None else completion * step["seconds"]
     forward_passes = (1 if grpo.beta else 0) + (1 if grpo.num_iterations > 1 else 0)  # reference, old policy
     logps_seconds = forward_passes * 2 * arch.params * sequences * length / rate
     mode = "full" if setup.mode == "full" else "lora"
     update_flops = sequences * length * arch.train_flops_per_token(length, mode, setup.remat)
-    if compiled_flops:
-        update_flops = compiled_flops * setup.devices
+    if compiled_flops:  # one micro-batch's program
+        update_flops = compiled_flops * setup.devices * setup.grad_accum
     update_seconds = grpo.num_iterations * update_flops / rate
     return prefill_seconds, decode_seconds, logps_seconds, update_seconds, update_flops
 
@@ -89,14 +129,14 @@ def _batch_seconds(arch: Architecture, hw, setup: TrainSetup, grpo: GrpoParams, 
 def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, session_hours: float | None = None,
               compiled: dict | None = None) -> dict:
     """GRPO on one profile (the SFT row's mesh and dtypes); `compiled`: `grpo_xla.check`'s figures for it."""
-    arch, hw, setup = plan.job.arch, row.hw, update_setup(row, grpo)
-    prompt, length, seqs = grpo.max_prompt_length, grpo.max_prompt_length + grpo.max_completion_length, setup.per_device_batch
+    arch, hw, setup, roll = plan.job.arch, row.hw, update_setup(row, grpo), rollout_setup(row, grpo)
+    prompt, length, seqs = grpo.max_prompt_length, grpo.max_prompt_length + grpo.max_completion_length, roll.per_device_batch
     m = estimate_memory(arch, setup)
     reference = reference_bytes(arch, setup, m.trainable_params) if grpo.beta else 0.0
     # generation: the decode step's program (the policy once: the update's input and output copies are not
     # live), the prefill's float32 logits over the prompt on top, and beside them the optimizer state and reference
-    kv = kv_cache_bytes(arch, setup, seqs, length)
-    decode = decode_program_bytes(arch, setup, seqs)
+    kv = kv_cache_bytes(arch, roll, seqs, length)
+    decode = decode_program_bytes(arch, roll, seqs)
     prefill_logits = seqs * prompt * arch.vocab_size * 4
     update = m.peak + reference
     gen_x, upd_x = (compiled or {}).get("generation") or {}, (compiled or {}).get("update") or {}
@@ -107,15 +147,18 @@ def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, sessio
         update = upd_x["xla_gib"] * GIB + reference
 
     sequences = grpo.batch_size * grpo.num_generations
-    mfu, utilisation = hw.mfu or params.mfu, hw.decode_utilisation or params.decode_utilisation
+    mfu = hw.mfu or params.mfu
+    step_x = decode_step(arch, hw, roll, grpo, gen_x)
     prefill_seconds, decode_seconds, logps_seconds, update_seconds, update_flops = _batch_seconds(
-        arch, hw, setup, grpo, mfu, utilisation, upd_x.get("flops_per_device"))
+        arch, hw, setup, grpo, mfu, step_x, upd_x.get("flops_per_device"))
     batches = math.ceil(grpo.max_steps / grpo.num_iterations)
     setup_hours = (hw.setup_minutes if hw.setup_minutes is not None else params.session_setup_minutes) / 60
     session = min((h for h in (session_hours, hw.session_hours) if h), default=None)
     out = {
         "session_hours": session,
         "sequences_per_device": seqs,
+        "update_sequences_per_device": setup.per_device_batch,
+        "micro_batches": setup.grad_accum,
         "sequence_length": length,
         "generation_gib": round(generation / GIB, 3),
         "generation_from": "XLA:TPU" if "xla_gib" in gen_x else "estimate",
@@ -125,16 +168,17 @@ def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, sessio
         "reference_gib": round(reference / GIB, 3),
         "usable_memory_gib": round(row.usable_bytes / GIB, 3),
         "fits": max(generation, update) <= row.usable_bytes,
-        "decode_utilisation": utilisation,
+        "decode_step": step_x,
         "mfu": mfu,
         "generation_seconds": None if decode_seconds is None else prefill_seconds + decode_seconds,
         "update_seconds": logps_seconds + update_seconds,
         "update_flops": update_flops,
         "update_flops_from": "XLA:TPU" if upd_x.get("flops_per_device") else "estimate",
         "rollout_batches": batches,
+        "quoted_estimate": hw.quoted_grpo_estimate or None,
         "step_seconds": None, "samples_per_hour": None, "hours": None, "within_session": None, "cost": None,
     }
-    if decode_seconds is None:  # no bandwidth for this profile: no time
+    if decode_seconds is None:  # no bandwidth or no roofline fraction for this profile: no time
         return out
     step = prefill_seconds + decode_seconds + logps_seconds + update_seconds
     saves = math.ceil(grpo.max_steps / grpo.checkpoint_every)
@@ -193,11 +237,13 @@ def markdown_section(plan: Plan) -> list[str]:
     g = plan.grpo
     s = g["selected"]
     fits = "fits" if s["fits"] else "**does not fit**"
+    micro = (f"; the update {s['update_sequences_per_device']} at a time, {s['micro_batches']} micro-batches"
+             if s["micro_batches"] > 1 else "")
     lines = [
         f"## GRPO ({g['loss_variant']}, {g['completions_per_step']} completions a step, reference {g['reference']})",
         "",
         f"On **{s['hardware']}**, {s['sequences_per_device']} sequences of {s['sequence_length']} tokens per device "
-        f"({fits} the {size(s['usable_memory_gib'] * GIB)} usable):",
+        f"decoded together{micro} ({fits} the {size(s['usable_memory_gib'] * GIB)} usable):",
         "",
         "| phase | memory/device | from | time per step |",
         "|---|---:|---|---:|",
@@ -208,13 +254,17 @@ def markdown_section(plan: Plan) -> list[str]:
         "",
     ]
     if s["hours"] is not None:
+        hw = plan.selected.hw
         lines += [f"{g['steps']} steps ({s['rollout_batches']} batches of rollouts), {s['samples_per_hour']:,.0f} "
                   f"completions an hour: {s['hours']:.3g} h with set-up"
                   + (f", within the {s['session_hours']:g} h session" if s["within_session"] and s["session_hours"]
                      else f", **over** the {s['session_hours']:g} h session" if s["session_hours"] else "")
-                  + f". Decoding at {s['decode_utilisation']:g} of the HBM bandwidth and the update at MFU "
-                  f"{s['mfu']:g}, both **assumed** ({plan.selected.hw.decode_source or 'plan.decode_utilisation'}).",
-                  ""]
+                  + ".", "", decode_line(s["decode_step"]) + f" The update at MFU {s['mfu']:g}, **assumed** "
+                  f"({hw.mfu_source or 'plan.mfu'}).", ""]
+        if s["quoted_estimate"]:
+            lines += [f"**GRPO completions an hour on {s['hardware']}:** this plan {s['samples_per_hour']:,.0f} "
+                      f"({g['steps'] * g['completions_per_step']:,} in {s['hours']:.3g} h); "
+                      f"{s['quoted_estimate']}.", ""]
     x = g.get("xla_check") or {}
     if x:
         lines += xla_lines(x) + [""]
@@ -231,6 +281,20 @@ def markdown_section(plan: Plan) -> list[str]:
     return lines
 
 
+def decode_line(d: dict) -> str:
+    """The decode step's roofline, where its figures come from, and the fraction of it the plan assumes."""
+    where = "XLA:TPU's cost analysis of the compiled step" if d["from"] == "XLA:TPU" else "the estimate"
+    text = (f"A decode step's roofline per device: {d['flops'] / 1e9:,.3g} GFLOP and {d['bytes'] / 1e9:,.3g} GB from "
+            f"{where}")
+    if d["roofline_seconds"] is None:
+        return text + ": no time (the profile has no hbm_gb_per_s)."
+    text += f", {d['roofline_seconds'] * 1e3:.3g} ms ({d['bound']}-bound)"
+    if d["seconds"] is None:
+        return text + "; no time: the profile has no decode_roofline_fraction."
+    return (text + f"; planned {d['seconds'] * 1e3:.3g} ms at {d['roofline_fraction']:g} of it "
+            f"({d['source'] or 'no decode_source'}).")
+
+
 def xla_lines(x: dict) -> list[str]:
     out = []
     for phase, what in (("generation", "one decode step with the KV cache"),
@@ -242,7 +306,10 @@ def xla_lines(x: dict) -> list[str]:
         elif "xla_gib" in r:
             out.append(f"- {phase}: {what} compiled by XLA:TPU for {x['topology']} ({r['method']}) in "
                        f"{r['seconds']:.0f} s: {size(r['xla_gib'] * GIB)} per chip, "
-                       f"{r['flops_per_device'] / 1e12:,.3g} TFLOP per chip; the estimate of that program: "
+                       f"{r['flops_per_device'] / 1e12:,.3g} TFLOP"
+                       + (f" and {r['bytes_accessed_per_device'] / 1e9:,.3g} GB accessed"
+                          if r.get("bytes_accessed_per_device") else "")
+                       + " per chip; the estimate of that program: "
                        f"{size(r['estimate_gib'] * GIB)} ({r['difference']:+.0%})")
         elif r.get("does_not_compile"):
             out.append(f"- {phase}: **does not compile for {x['topology']} (XLA:TPU):** {r['error']}")

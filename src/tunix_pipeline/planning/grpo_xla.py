@@ -6,13 +6,15 @@ attached TPU): abstract shapes, no weights, no TPU needed.
   at the rollout's shapes: batch x G sequences, a cache of prompt + completion positions, the
   policy sharded as the trainer shards it (the rollout uses the actor's model on the same mesh);
   the cache is split over the data-parallel axes as the model's activations are.
-- **update**: the actor's train step: Tunix's registered policy loss for `grpo.loss_variant`
-  (`GRPOLearner`'s `loss_fn`) on a `TrainExample` carrying the reference's and, with
+- **update**: the actor's train step (one micro-batch's, with `grpo.micro_batch_size`): Tunix's
+  registered policy loss for `grpo.loss_variant` (`GRPOLearner`'s `loss_fn`) on a `TrainExample`
+  carrying the reference's and, with
   `num_iterations > 1`, the old policy's log-probabilities, its gradient with respect to what is
   trained (the LoRA adapters, or every weight) and `optim.make_optimizer`'s update, optimizer state donated.
 
-`memory_analysis()` gives the bytes per chip and `cost_analysis()` the FLOPs. Deep models are compiled
-at two and three layer periods and extrapolated, as `planning.xla` does for SFT's step (one layer is a
+`memory_analysis()` gives the bytes per chip and `cost_analysis()` the FLOPs and the bytes accessed per
+chip (the decode step's roofline: `planning.grpo`). Deep models are compiled at two and three layer
+periods and extrapolated, as `planning.xla` does for SFT's step (one layer is a
 period when every sliding window spans the rollout: `layer_period`).
 """
 
@@ -40,7 +42,7 @@ def _rows(mesh, sequences: int, shape: tuple, dtype):
 
 
 def compile_decode_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams, layers: int, lora, devices) -> dict:
-    """One decode step with the KV cache at the rollout's shapes, bytes and FLOPs per chip."""
+    """One decode step with the KV cache at the rollout's shapes: memory, FLOPs and bytes accessed per chip."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -90,7 +92,9 @@ def compile_update_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
     algo_config, _ = grpo_lib.algorithm(grpo)
     algo_config.temperature = grpo.temperature  # as GRPOLearner sets it from the rollout config
     policy_loss = function_registry.get_policy_loss_fn(algo_config.policy_loss_fn)
-    s, p, c = grpo.batch_size * grpo.num_generations, grpo.max_prompt_length, grpo.max_completion_length
+    # one micro-batch (grpo.micro_batch_size) when the update is split; the whole batch otherwise
+    s = (grpo.micro_batch_size or grpo.batch_size) * grpo.num_generations
+    p, c = grpo.max_prompt_length, grpo.max_completion_length
     logps = _rows(mesh, s, (s, c), jnp.float32)
     example = TrainExample(
         prompt_ids=_rows(mesh, s, (s, p), jnp.int32), prompt_mask=_rows(mesh, s, (s, p), jnp.int32),
@@ -136,25 +140,28 @@ def whole_model(compile_at, arch: Architecture, max_layers: int | None, period: 
     return {
         "peak": a["peak"] + periods * (b["peak"] - a["peak"]),
         "flops": a["flops"] + periods * (b["flops"] - a["flops"]),
+        "bytes_accessed": a["bytes_accessed"] + periods * (b["bytes_accessed"] - a["bytes_accessed"]),
         "seconds": a["seconds"] + b["seconds"],
         "platform": a["platform"],
         "method": f"compiled {first} and {first + period} layers, extrapolated to {arch.num_layers}",
     }
 
 
-def estimates(arch: Architecture, setup: TrainSetup) -> dict:
-    """The analytic bytes of the very programs compiled: the decode step and the train step."""
+def estimates(arch: Architecture, setup: TrainSetup, roll: TrainSetup | None = None) -> dict:
+    """The analytic bytes of the very programs compiled: the decode step (the rollout's `roll`, else `setup`'s
+    sequences) and the train step (one micro-batch)."""
     from tunix_pipeline.planning.grpo import decode_program_bytes
 
-    return {"generation": decode_program_bytes(arch, setup, setup.per_device_batch),
-            "update": estimate_memory(arch, setup).peak}
+    roll = roll or setup.replace(grad_accum=1)
+    return {"generation": decode_program_bytes(arch, roll, roll.per_device_batch),
+            "update": estimate_memory(arch, setup.replace(grad_accum=1)).peak}
 
 
 def check(plan, model, grpo: GrpoParams, max_layers: int | None = 4) -> dict | None:
     """Both GRPO programs of the selected profile compiled by XLA:TPU for its topology (or the attached TPU);
     None when neither libtpu nor a TPU is at hand. A program that does not compile is reported as such."""
     from tunix_pipeline.planning import xla
-    from tunix_pipeline.planning.grpo import update_setup
+    from tunix_pipeline.planning.grpo import rollout_setup, update_setup
 
     try:
         target = xla.tpu_target(plan.selected.hw)
@@ -165,7 +172,7 @@ def check(plan, model, grpo: GrpoParams, max_layers: int | None = 4) -> dict | N
     name, devices = target
     arch = plan.job.arch
     setup = update_setup(plan.selected, grpo)
-    estimate = estimates(arch, setup)
+    estimate = estimates(arch, setup, rollout_setup(plan.selected, grpo))
     out = {"topology": name, "mesh": setup.mesh, "dtype": setup.param_dtype}
     for phase, compile_fn in (("generation", compile_decode_step), ("update", compile_update_step)):
         try:
@@ -176,6 +183,7 @@ def check(plan, model, grpo: GrpoParams, max_layers: int | None = 4) -> dict | N
             needed = re.search(r"Ran out of memory.*?\(([\d.]+)G\) exceeds", message)
             out[phase] = ({"error": message, "out_of_memory": True, "xla_gib": float(needed.group(1)),
                            "method": "refused by XLA:TPU", "seconds": 0.0, "flops_per_device": None,
+                           "bytes_accessed_per_device": None,
                            "estimate_gib": estimate[phase] / GIB, "difference": None} if needed
                           else {"error": f"{type(err).__name__}: {message}", "does_not_compile": True})
             continue
@@ -184,6 +192,7 @@ def check(plan, model, grpo: GrpoParams, max_layers: int | None = 4) -> dict | N
             "seconds": r["seconds"],
             "xla_gib": r["peak"] / GIB,
             "flops_per_device": r["flops"],
+            "bytes_accessed_per_device": r["bytes_accessed"],
             "estimate_gib": estimate[phase] / GIB,
             "difference": (estimate[phase] - r["peak"]) / r["peak"],
         }

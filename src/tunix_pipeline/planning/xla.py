@@ -124,7 +124,7 @@ def abstract(state, mesh):
 
 def measure(lowered, started: float, layers: int, platform: str) -> dict:
     """Compile `lowered`: memory_analysis() (bytes per device: arguments + outputs - aliases + temporaries)
-    and cost_analysis() FLOPs per device (the program is partitioned)."""
+    and cost_analysis() FLOPs and bytes accessed per device (the program is partitioned)."""
     # XLA:CPU assigns buffers before LLVM runs: skipping its optimisations changes no figure, only the wait
     fast = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
     compiled = lowered.compile(compiler_options=fast if platform == "cpu" else None)
@@ -133,6 +133,7 @@ def measure(lowered, started: float, layers: int, platform: str) -> dict:
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # one dict per program in older JAX
     out = {
         "flops": float(cost.get("flops", 0.0)),
+        "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
         "argument": ma.argument_size_in_bytes,
         "output": ma.output_size_in_bytes,
         "alias": ma.alias_size_in_bytes,
