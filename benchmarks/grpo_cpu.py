@@ -162,20 +162,6 @@ def _timed_mean(values: list, skip: int = 1):
 
 
 # ---------------------------------------------------------------- workers (one process each)
-class _Recorder:
-    """A Tunix metrics backend keeping every scalar in memory."""
-
-    events: list = []
-
-    def log_scalar(self, event, value, **kwargs):
-        import numpy as np
-
-        _Recorder.events.append((event.strip("/"), float(np.asarray(value)), kwargs.get("step")))
-
-    def close(self):
-        pass
-
-
 def worker_ours(settings: dict, model_dir: str) -> dict:
     """`train_grpo` on the model with LoRA, as the grpo node calls it; timers around Tunix's rollout, rewards and
     actor update (class methods wrapped while it runs, restored after)."""
@@ -212,6 +198,8 @@ def worker_ours(settings: dict, model_dir: str) -> dict:
             return out
 
         return wrapper
+
+    from benchmarks.cpu_sft import _Recorder
 
     _Recorder.events = []
     mesh = runtime.make_mesh(RuntimeParams(mesh="auto"), devices=jax.devices()[:1])
