@@ -20,7 +20,7 @@ from tunix_pipeline.config.evaluate import (
     HarnessParams, EvaluateParams, ExportParams, WandbParams, SystemMetricsParams, RegistryParams, TrackingParams,
 )
 from tunix_pipeline.config.polish import (
-    RewardParams, GrpoParams, PairsFromRewardsParams, PreferenceParams,
+    JudgeParams, RewardParams, GrpoParams, PairsFromRewardsParams, PreferenceParams,
 )
 from tunix_pipeline.config.plan import (
     HardwareProfile, PlanBudget, XlaCheckParams, PlanParams,
@@ -48,6 +48,7 @@ __all__ = [
     "SystemMetricsParams",
     "RegistryParams",
     "TrackingParams",
+    "JudgeParams",
     "RewardParams",
     "GrpoParams",
     "PairsFromRewardsParams",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import string
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -11,15 +12,79 @@ from tunix_pipeline.config.data import IngestParams
 from tunix_pipeline.config.training import CheckpointSettings, OptimizerSettings
 
 
-class RewardParams(Strict):
-    """One GRPO reward: a built-in name or `package.module:function`, weighted in the total."""
+# the judge's default rubric: the question, the policy's completion and the reference (when the row has one)
+DEFAULT_RUBRIC = (
+    "You are grading a student's answer.\n\nQuestion:\n{prompt}\n\nReference answer:\n{reference}\n\n"
+    "Student's answer:\n{completion}\n\nIs the student's final answer correct and the reasoning sound? "
+    "Reply Yes or No."
+)
 
-    # built-in: format_exact, format_approx, answer, length_penalty;
+
+class JudgeParams(Strict):
+    """A judge model that scores completions with a rubric: the reward `fn: judge` (`judge.Judge`).
+
+    The rubric is rendered as the judge's user turn (its chat template, else Gemma's turns); the score is read
+    from its reply: `read: label` weighs the probability of each label word at the reply's first token (one
+    forward pass, no generation); `read: number` generates up to `max_new_tokens` greedily and reads the first
+    number, within `score_range`. Scores are normalised to [0, 1]; a reply with no usable number, or a rubric
+    too long for `max_prompt_length`, scores `malformed_score` and is counted.
+    """
+
+    # like model.source: a hub id, a local HF folder, a .gguf file (or a folder holding one), "pypi:<package>",
+    # "kaggle:<handle>"
+    source: str
+    revision: str | None = None
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    local_dir: str = Field("data/06_models/judge_model", description="where a .gguf or pypi: judge is converted")
+    # fields: {prompt} (the question, turn markers removed), {completion}, {reference} ("(none)" when missing)
+    rubric: str = DEFAULT_RUBRIC
+    read: Literal["label", "number"] = "label"
+    # read: label -> the score of each label word (its first token); the score is their probability-weighted mean
+    labels: dict[str, float] = {"Yes": 1.0, "No": 0.0}
+    # read: number -> the range of the number the rubric asks for, mapped to [0, 1]
+    score_range: tuple[float, float] = (0.0, 10.0)
+    max_new_tokens: int = Field(8, gt=0, description="read: number -> tokens generated for the score")
+    malformed_score: float = Field(0.0, ge=0, le=1)
+    batch_size: int = Field(8, gt=0, description="rubrics scored per compiled call (padded to it)")
+    max_prompt_length: int = Field(1024, gt=0, description="tokens of the rendered rubric; longer ones are malformed")
+    # null: time-shared with the policy on its devices; N: the judge's own sub-mesh of the last N devices
+    devices: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        low, high = self.score_range
+        if high <= low:
+            raise ValueError(f"score_range {list(self.score_range)} must rise: [lowest, highest]")
+        if self.read == "label" and len(self.labels) < 2:
+            raise ValueError("read: label needs at least two `labels` (e.g. {Yes: 1.0, No: 0.0})")
+        if self.read == "label" and not all(0 <= v <= 1 for v in self.labels.values()):
+            raise ValueError(f"label scores must lie in [0, 1], got {self.labels}")
+        unknown = {f for _, f, _, _ in string.Formatter().parse(self.rubric) if f} - {"prompt", "completion", "reference"}
+        if unknown:
+            raise ValueError(f"rubric fields {sorted(unknown)} are unknown: use {{prompt}}, {{completion}}, {{reference}}")
+        if "{completion}" not in self.rubric:
+            raise ValueError("the rubric must show the judge the {completion}")
+        return self
+
+
+class RewardParams(Strict):
+    """One GRPO reward: a built-in name, `package.module:function`, or `judge` (with `judge:` settings), weighted in
+    the total."""
+
+    # built-in: format_exact, format_approx, answer, length_penalty, judge;
     # custom: "package.module:function" with signature (prompts, completions, **columns) -> list[float]
     fn: str
     weight: float = 1.0
     name: str | None = Field(None, description="label in metrics; default: the function's name")
     kwargs: dict = Field({}, description="extra keyword arguments for the function")
+    judge: JudgeParams | None = Field(None, description="fn: judge -> the judge model, rubric and how to read it")
+
+    @model_validator(mode="after")
+    def _judge_settings(self):
+        if (self.fn == "judge") != (self.judge is not None):
+            raise ValueError("`fn: judge` and `judge:` settings go together" if self.fn == "judge"
+                             else f"`judge:` settings are for `fn: judge`, not {self.fn!r}")
+        return self
 
 
 class GrpoParams(OptimizerSettings, CheckpointSettings):
