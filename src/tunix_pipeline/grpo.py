@@ -112,11 +112,13 @@ def train_grpo(
     params: GrpoParams,
     mesh: jax.sharding.Mesh,
     metrics_backends: list | None = None,
+    judge_mesh: jax.sharding.Mesh | None = None,
 ) -> dict:
-    """GRPO on `model` in place (full weights, or its LoRA adapters); resumes from `params.checkpoint_dir`."""
+    """GRPO on `model` in place (full weights, or its LoRA adapters); resumes from `params.checkpoint_dir`.
+    Judge rewards score on `judge_mesh` (their own devices), else on `mesh`, time-shared with the policy."""
     from tunix.rl import rl_cluster as rl_cluster_lib
 
-    rewards = RewardSet(params.rewards)
+    rewards = RewardSet(params.rewards, judge_mesh or mesh)
     rows, too_long = training_prompts(train_formatted, tokenizer, params, mesh)
     root = storage_path(params.checkpoint_dir, "grpo.checkpoint_dir")  # a gs:// URI reaches Orbax as it is
     rollout = _rollout_config(params, tokenizer)
@@ -265,7 +267,8 @@ def reward_trend(history: list[dict]) -> dict | None:
 
 
 def _new_history(logger, rewards: RewardSet, start_step: int, end_step: int, params: GrpoParams) -> list[dict]:
-    """One entry per rollout batch of this run: total reward, each reward's mean, KL, completion length.
+    """One entry per rollout batch of this run: total reward, each reward's mean, KL, completion length, each
+    judge's seconds and malformed replies.
 
     `step` is the actor's optimizer step after that batch (`num_iterations` updates per batch).
     """
@@ -276,6 +279,8 @@ def _new_history(logger, rewards: RewardSet, start_step: int, end_step: int, par
         "reward_std": checkpoints.metric_history(logger, "reward", "total/std"),
         "completion_length": checkpoints.metric_history(logger, "completions", "mean_length"),
         **{f"reward/{n}": checkpoints.metric_history(logger, "reward", f"{n}/mean") for n in rewards.names},
+        **{f"judge/{n}/{m}": checkpoints.metric_history(logger, "judge", f"{n}/{m}")
+           for n in rewards.judges for m in ("seconds", "malformed")},
     }
     batches = len(series["reward"])
     kl = checkpoints.metric_history(logger, "actor", "kl") if params.beta else np.array([])

@@ -10,6 +10,7 @@ completion (`answer`, `id`, `source`, `reference`). Built-ins:
 | `format_approx` | each of the four tags: +0.25 once, -0.25 repeated, 0 missing | -1 … 1 |
 | `answer` | 1 correct (exact, or numeric within `tolerance`); near numeric answers get partial credit | 0 … 1 |
 | `length_penalty` | minus the share by which a completion exceeds `target_chars` | -1 … 0 |
+| `judge` | a judge model's score with a rubric (`judge:` settings, `judge.Judge`) | 0 … 1 |
 
 Custom rewards are named by dotted path, `package.module:function`.
 Malformed completions (no tags, unclosed tags, empty, not a string) score low; they never raise.
@@ -25,6 +26,7 @@ import numpy as np
 
 from tunix_pipeline.config import RewardParams
 from tunix_pipeline.errors import UserError
+from tunix_pipeline.judge import Judge
 from tunix_pipeline.answers import TAGS, answer_score, clean, extract_answer, well_formed
 
 
@@ -71,13 +73,13 @@ BUILTIN: dict[str, Callable[..., list[float]]] = {
 
 
 def resolve(spec: str) -> Callable[..., list[float]]:
-    """A built-in reward by name, or `package.module:function`."""
+    """A built-in reward by name, or `package.module:function` (`judge` is built by `RewardSet`, with its settings)."""
     if spec in BUILTIN:
         return BUILTIN[spec]
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise RewardError(
-            f"reward {spec!r} is neither a built-in ({', '.join(BUILTIN)}) nor a dotted path `package.module:function`"
+            f"reward {spec!r} is neither a built-in ({', '.join(BUILTIN)}, judge) nor a dotted path `package.module:function`"
         )
     try:
         module = importlib.import_module(module_name)
@@ -102,14 +104,16 @@ class RewardSet:
     """The configured rewards: raw scores per reward, their weighted total, and Tunix hooks.
 
     `tunix_reward_fns()` are what `GRPOLearner` sums (each weighted); `metric_fn`
-    logs each reward's unweighted mean and spread and the total's spread.
+    logs each reward's unweighted mean and spread and the total's spread, and each judge's time, malformed
+    replies and label mass. Judges load onto `judge_mesh` (default: the devices' own) at their first call.
     """
 
-    def __init__(self, specs: Sequence[RewardParams]):
+    def __init__(self, specs: Sequence[RewardParams], judge_mesh=None):
         self.specs = list(specs)
-        self.fns = [resolve(s.fn) for s in self.specs]
+        self.fns = [Judge(s.judge, judge_mesh) if s.judge is not None else resolve(s.fn) for s in self.specs]
         self.names = [s.name or s.fn.rsplit(":", 1)[-1] for s in self.specs]
         self.weights = {n: s.weight for n, s in zip(self.names, self.specs)}
+        self.judges = [n for n, fn in zip(self.names, self.fns) if isinstance(fn, Judge)]
         self._last: dict[str, np.ndarray] = {}
 
     def score_one(self, i: int, prompts, completions, **columns) -> np.ndarray:
@@ -150,6 +154,12 @@ class RewardSet:
             if values is not None and len(values):
                 metrics[f"reward/{name}/mean"] = (float(np.mean(values)), np.mean)
                 metrics[f"reward/{name}/std"] = (float(np.std(values)), np.mean)
+        for name, fn in zip(self.names, self.fns):
+            if isinstance(fn, Judge) and fn.last is not None:
+                metrics[f"judge/{name}/seconds"] = (fn.last.seconds, np.mean)
+                metrics[f"judge/{name}/malformed"] = (float(fn.last.malformed), np.mean)
+                if fn.last.label_mass is not None:
+                    metrics[f"judge/{name}/label_mass"] = (fn.last.label_mass, np.mean)
         total = np.asarray(rewards, dtype=np.float64)
         metrics["reward/total/mean"] = (float(np.mean(total)), np.mean)
         metrics["reward/total/std"] = (float(np.std(total)), np.mean)

@@ -279,6 +279,7 @@ class Sampler(sampler_lib.Sampler):
     - `group_size` consecutive copies of one prompt (GRPO's G completions, pairs' and evaluation's k samples)
       are prefilled once and their cache copied to the group, when the batch is made of such groups.
 
+    `next_token_logprobs` runs that prefill alone and reads chosen words' log-probabilities (a judge's labels).
     Prompts may also be token ids (lists), used as they are. The sampler reads the model's variables at each call,
     so a checkpoint restored into the same model afterwards is what the next call generates with.
     Text only: images, echo and beam search take Tunix's own prefill.
@@ -289,6 +290,7 @@ class Sampler(sampler_lib.Sampler):
         self.group_size = group_size
         jit = functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("echo",))
         self._prefills = {g: jit(functools.partial(self._last_token_prefill, group=g)) for g in {1, group_size}}
+        self._label_logprobs = jax.jit(self._next_token_logprobs)
 
     @classmethod
     def for_model(cls, model, tokenizer, cache_size: int, group_size: int = 1) -> Sampler:
@@ -306,9 +308,25 @@ class Sampler(sampler_lib.Sampler):
         self._compiled_prefill_fn = self._prefills[self.group_size if in_groups(tokens, self.group_size) else 1]
         return super().__call__(tokens, *args, **kwargs)
 
-    def _last_token_prefill(self, params, sampler_state, images=None, echo: bool = False, *, group: int):
-        if images is not None or echo or sampler_state.sampling_mode == "beam_search":
-            return self._prefill_fn(params, sampler_state, images, echo)
+    def next_token_logprobs(self, prompts, prompt_length: int, token_ids) -> np.ndarray:
+        """(prompts, len(`token_ids`)) log-probabilities of `token_ids` as each prompt's next token: the prefill
+        alone, no decoding (a judge's label words). Prompts (text or token ids) are left-padded to `prompt_length`,
+        which they must fit: one compile per length."""
+        tokens = [self.tokenize(x) for x in prompts]
+        padded = np.array([sampler_utils.pad_to_length(t, target_length=prompt_length, pad_value=self.tokenizer.pad_id(),
+                                                       left=True) for t in tokens])
+        state = self.init_sample_state(jnp.asarray(padded), total_sampling_steps=prompt_length + 1, include_logits=False,
+                                       forbidden_token_ids=None, temperature=0.0, top_p=None, top_k=None,
+                                       seed=jax.random.PRNGKey(0), beam_size=None)
+        return np.asarray(self._label_logprobs(self._flattened_transformer_state, state, jnp.asarray(token_ids)))
+
+    def _next_token_logprobs(self, params, sampler_state, token_ids):
+        logits, _ = self._prefill_logits(params, sampler_state, group=1)
+        return jnp.take(jax.nn.log_softmax(logits[:, -1].astype(jnp.float32), axis=-1), token_ids, axis=-1)
+
+    def _prefill_logits(self, params, sampler_state, group: int):
+        """(the last prompt position's logits, one row per group of `group` copies; the cache holding each group's
+        prompt): the prompt but its last token fills the cache, the last token is a decode step."""
         batch = sampler_state.token_buffer.shape[0]
         length = int(np.asarray(sampler_state.num_input_tokens))  # static: the padded prompt length
 
@@ -322,7 +340,13 @@ class Sampler(sampler_lib.Sampler):
         cache = jax.tree.map(firsts, sampler_state.cache)
         if length > 1:
             _, cache = model(tokens[:, :-1], positions[:, :-1], cache, mask[:, :-1])
-        logits, cache = model(tokens[:, -1:], positions[:, -1:], cache, mask[:, -1:])
+        return model(tokens[:, -1:], positions[:, -1:], cache, mask[:, -1:])
+
+    def _last_token_prefill(self, params, sampler_state, images=None, echo: bool = False, *, group: int):
+        if images is not None or echo or sampler_state.sampling_mode == "beam_search":
+            return self._prefill_fn(params, sampler_state, images, echo)
+        length = int(np.asarray(sampler_state.num_input_tokens))
+        logits, cache = self._prefill_logits(params, sampler_state, group)
         if group > 1:
             logits = jnp.repeat(logits, group, axis=0)
             cache = jax.tree.map(lambda x: jnp.repeat(x, group, axis=0) if getattr(x, "ndim", 0) else x, cache)

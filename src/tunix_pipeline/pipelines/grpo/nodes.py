@@ -3,9 +3,9 @@ import pandas as pd
 from tunix_pipeline.checkpoints import restore_required
 from tunix_pipeline.config import GrpoParams, ModelParams, RuntimeParams, TrackingParams
 from tunix_pipeline.grpo import train_grpo, training_prompts
+from tunix_pipeline.judge import meshes
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
 from tunix_pipeline.rewards import RewardSet
-from tunix_pipeline.runtime import make_mesh
 from tunix_pipeline.skips import NothingToLearn, passed_through, skip_stage
 from tunix_pipeline.stages import GRPO, policy_stage, start_of
 from tunix_pipeline.step_metrics import metrics_backends
@@ -26,7 +26,7 @@ def run_grpo(
     if not grpo.enabled:
         return passed_through(parent_result)
     RewardSet(grpo.rewards)  # an unknown reward or unimportable module fails now, before the model loads
-    mesh = make_mesh(runtime)
+    mesh, judge_mesh = meshes(runtime, grpo.rewards)  # with a judge on its own devices, the policy has the rest
     tokenizer = load_tokenizer(base_model["path"])
     try:  # prompts that fit, before any weights load
         training_prompts(train_formatted, tokenizer, grpo, mesh)
@@ -35,7 +35,7 @@ def run_grpo(
     network, _ = load_run_model(base_model["path"], model, mesh)
     step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), "grpo")
     backends = metrics_backends(tracking, runtime.output_root, "grpo")
-    result = train_grpo(network, tokenizer, train_formatted, grpo, mesh, backends)
+    result = train_grpo(network, tokenizer, train_formatted, grpo, mesh, backends, judge_mesh)
     return {
         **result,
         "policy_stage": GRPO.name,

@@ -16,6 +16,7 @@ from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_coun
 from tunix_pipeline.planning import peak_flops_per_device
 from tunix_pipeline.processes import is_main_process
 from tunix_pipeline.rewards import RewardSet
+from tunix_pipeline.judge import meshes
 from tunix_pipeline.runtime import make_mesh
 from tunix_pipeline.skips import NothingToLearn, passed_through, skip_stage
 from tunix_pipeline.stages import PREFERENCE, policy_stage, start_of
@@ -47,8 +48,8 @@ def build_pairs(
         return (format_records(train, tokenizer, format_params), format_records(evaluation, tokenizer, format_params),
                 {"enabled": True, "pairs": "from_data", "data_quality": quality})
     spec = params.from_rewards
-    rewards = RewardSet(spec.rewards or grpo.rewards)  # a bad reward fails before the model loads
-    mesh = make_mesh(runtime)
+    mesh, judge_mesh = meshes(runtime, spec.rewards or grpo.rewards)
+    rewards = RewardSet(spec.rewards or grpo.rewards, judge_mesh or mesh)  # a bad reward fails before the model loads
     network, _ = load_run_model(base_model["path"], model, mesh, quantize=False)
     step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), "preference")
     train, train_counts = pairs.pairs_from_rewards(network, tokenizer, train_formatted, params, rewards, mesh,
