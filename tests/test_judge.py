@@ -97,6 +97,10 @@ def test_a_judge_takes_the_last_devices_and_the_policy_the_rest():
     devices = jax.devices()
     assert list(policy.devices.flat) == devices[:6] and list(judge_mesh.devices.flat) == devices[6:]
     assert judge_lib.meshes(RuntimeParams(), rewards[:1])[1] is None
+    tensor_parallel = judge_lib.meshes(RuntimeParams(mesh={"data": 2, "fsdp": 2, "tp": 2}), rewards)[0]
+    assert dict(tensor_parallel.shape) == {"data": 1, "fsdp": 3, "tp": 2}
+    with pytest.raises(judge_lib.JudgeError, match="does not divide"):
+        judge_lib.meshes(RuntimeParams(mesh={"fsdp": 2, "tp": 4}), rewards)
     with pytest.raises(judge_lib.JudgeError, match="leaves the policy none"):
         judge_lib.meshes(RuntimeParams(), [RewardParams(fn="judge", judge={**judge_params, "devices": 8})])
 
@@ -120,3 +124,25 @@ def test_grpo_with_a_judge_on_its_own_devices_logs_its_scores_and_time(tiny_mode
     judged = [h["reward/rubric"] for h in result["history"]]
     assert all(0 <= r <= 1 for r in judged) and len(set(judged)) > 1  # the judge saw different completions
     assert all(h["judge/rubric/seconds"] > 0 and h["judge/rubric/malformed"] == 0 for h in result["history"])
+
+
+def test_preference_pairs_ranked_by_a_judge_sharing_the_policys_devices(tiny_model_dir, tokenizer, tmp_path):
+    """`preference.from_rewards.rewards` with a judge: every sample judged once, pairs ordered by its score."""
+    from tunix_pipeline import pairs
+    from tunix_pipeline.config import PreferenceParams
+    from tunix_pipeline.models import load_model
+
+    formatted = pd.DataFrame({"id": [f"r{i}" for i in range(3)], "source": "t", "prompt": PROMPTS[:3],
+                              "completion": COMPLETIONS[:3], "answer": [str(i) for i in range(3)]})
+    spec = {"fn": "judge", "judge": {"source": str(tiny_model_dir), "batch_size": 4}}
+    params = PreferenceParams(enabled=True, max_steps=1, max_prompt_length=32, max_response_length=32,
+                              checkpoint_dir=str(tmp_path), from_rewards={"num_samples": 3, "max_new_tokens": 8,
+                                                                          "margin": 0.0, "rewards": [spec]})
+    mesh, judge_mesh = judge_lib.meshes(RuntimeParams(), params.from_rewards.rewards)
+    assert judge_mesh is None  # no `devices`: the judge shares the policy's
+    model, _ = load_model(tiny_model_dir, mesh, "float32")
+    rewards = RewardSet(params.from_rewards.rewards, mesh)
+    out, counts = pairs.pairs_from_rewards(model, tokenizer, formatted, params, rewards, mesh, max_prompts=3)
+    judge = rewards.fns[0]
+    assert len(judge.last.values) == counts["samples"] == 9 and judge.last.malformed == 0
+    assert counts["pairs"] == len(out) > 0 and (out["chosen_reward"] > out["rejected_reward"]).all()

@@ -85,7 +85,8 @@ def read_number(reply: str, score_range: tuple[float, float]) -> float | None:
 
 def meshes(runtime: RuntimeParams, rewards: list[RewardParams]):
     """(the policy's mesh, the judges' sub-mesh or None): with `judge.devices: N` the judges take the last N
-    devices and the policy the rest; without, both use all of them."""
+    devices (all on fsdp) and the policy the rest, keeping `runtime.mesh`'s tp and giving fsdp what remains;
+    without, both use all of them."""
     import jax
 
     from tunix_pipeline.runtime import make_mesh
@@ -99,8 +100,12 @@ def meshes(runtime: RuntimeParams, rewards: list[RewardParams]):
     if n >= len(devices):
         raise JudgeError(f"judge.devices={n} leaves the policy none of the {len(devices)} devices; "
                          f"use fewer (at most {len(devices) - 1}), or null to share them")
-    judge_runtime = RuntimeParams(mesh="auto", host_device_count=runtime.host_device_count)
-    return make_mesh(runtime, devices[:-n]), make_mesh(judge_runtime, devices[-n:])
+    tp = 1 if runtime.mesh == "auto" else runtime.mesh.get("tp", 1)
+    if (len(devices) - n) % tp:
+        raise JudgeError(f"judge.devices={n} leaves the policy {len(devices) - n} devices, which runtime.mesh's "
+                         f"tp={tp} does not divide; give the judge a number of devices that leaves a multiple of {tp}")
+    policy = RuntimeParams(mesh={"fsdp": (len(devices) - n) // tp, "tp": tp})
+    return make_mesh(policy, devices[:-n]), make_mesh(RuntimeParams(mesh="auto"), devices[-n:])
 
 
 class Judge:
