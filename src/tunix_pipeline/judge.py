@@ -143,6 +143,8 @@ class Judge:
 
         text = self.params.rubric.format(prompt=question(prompt), completion=clean(completion),
                                          reference=clean(reference) if reference and clean(reference) else NO_REFERENCE)
+        if not self.params.chat_template:
+            return (self.tokenizer.bos_token or "") + text
         return render_prompt([{"role": "user", "content": text}], self.tokenizer, FormatParams())
 
     def score(self, prompts: list[str], completions: list[str], references: list[str | None]) -> JudgeScores:

@@ -23,7 +23,8 @@ DEFAULT_RUBRIC = (
 class JudgeParams(Strict):
     """A judge model that scores completions with a rubric: the reward `fn: judge` (`judge.Judge`).
 
-    The rubric is rendered as the judge's user turn (its chat template, else Gemma's turns); the score is read
+    The rubric is rendered as the judge's user turn (its chat template, else Gemma's turns; or as plain text with
+    `chat_template: false`); the score is read
     from its reply: `read: label` weighs the probability of each label word at the reply's first token (one
     forward pass, no generation); `read: number` generates up to `max_new_tokens` greedily and reads the first
     number, within `score_range`. Scores are normalised to [0, 1]; a reply with no usable number, or a rubric
@@ -38,6 +39,8 @@ class JudgeParams(Strict):
     local_dir: str = Field("data/06_models/judge_model", description="where a .gguf or pypi: judge is converted")
     # fields: {prompt} (the question, turn markers removed), {completion}, {reference} ("(none)" when missing)
     rubric: str = DEFAULT_RUBRIC
+    # false: the rubric as plain text after the BOS, for a base (not instruction-tuned) judge
+    chat_template: bool = True
     read: Literal["label", "number"] = "label"
     # read: label -> the score of each label word (its first token); the score is their probability-weighted mean
     labels: dict[str, float] = {"Yes": 1.0, "No": 0.0}
