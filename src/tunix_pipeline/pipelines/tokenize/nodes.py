@@ -28,7 +28,7 @@ def tokenize(
 
 
 def _no_training_rows(stats: dict, params: TokenizeParams) -> str:
-    if stats["skipped_prompt_only"] == stats["rows_in"]:
+    if stats["rows_in"] and stats["skipped_prompt_only"] == stats["rows_in"]:
         return (f"tokenize: SFT has nothing to learn from: all {stats['rows_in']} training rows are open-ended prompts "
                 "without a reference. Give some rows a `reference` (or add a source with answers), or skip SFT with "
                 "`sft.max_steps: 0` and `sft.init_from: <an SFT checkpoint>` to use the prompts for GRPO")
