@@ -60,6 +60,8 @@ def _good(fmt: str, marker: str, text: str) -> dict:
         return {"instruction": f"{marker} {text}", "input": text, "output": completion}
     if fmt == "prompt_response":
         return {"prompt": f"{marker} {text}", "response": completion}
+    if fmt == "open":  # a reference, or none (a prompt-only row; its note keeps a CSV row with an empty prompt a row)
+        return {"prompt": f"{marker} {text}", **({"reference": completion} if len(text) % 2 else {"note": "open"})}
     if fmt == "preference":  # the text shape; the chat shape is in tests/test_preference.py
         return {"prompt": f"{marker} {text}", "chosen": completion,
                 "rejected": f"<reasoning>{text}</reasoning><answer>{len(text) + 1}</answer>"}
@@ -135,6 +137,8 @@ def _bad_row(draw, fmt: str, ftype: str, good: dict, kind: str) -> tuple[object,
             row["messages"][-1]["content"] = "<reasoning>r</reasoning><answer> </answer>"
         elif fmt == "preference":
             row[col] = "<reasoning>r</reasoning><answer></answer>"
+        elif fmt == "open":
+            row["reference"] = "<reasoning>r</reasoning><answer></answer>"
         else:
             row["output" if fmt == "alpaca" else "response"] = "<reasoning>r</reasoning><answer></answer>"
         return row, "empty_answer"

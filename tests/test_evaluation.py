@@ -104,6 +104,77 @@ def test_score_with_nothing_generated_is_counted_not_a_crash():
         score("m", _formatted(["1"]), ["a", "b"], EvaluateParams())
 
 
+def _mixed(answers, open_ended):
+    """Rows with an answer to match and open-ended ones (their answer: the reference, or "" for a prompt only)."""
+    formatted = _formatted(answers)
+    formatted["open_ended"] = open_ended
+    return formatted
+
+
+def test_answer_metrics_leave_open_ended_rows_out_and_count_them():
+    params = EvaluateParams(num_samples=2, temperature=1.0)
+    formatted = _mixed(["2", "Rain on the roof.", "3", ""], [False, True, False, True])
+    generated = [
+        _gen("2"), _gen("5"),  # q0 (ref 2): 1 of 2 right
+        _gen("A poem."), "no tags",  # q1, open-ended: never right or wrong
+        _gen("3"), _gen("3"),  # q2 (ref 3): 2 of 2 right
+        _gen("A limerick."), _gen("Another."),  # q3, open-ended, prompt only
+    ]
+    metrics, samples = score("m", formatted, generated, params)
+    assert (metrics["prompts"], metrics["open_ended_prompts"], metrics["samples"]) == (4, 2, 8)
+    assert metrics["answer_accuracy"] == metrics["answer_exact"] == pytest.approx(3 / 4)  # over q0 and q2 only
+    assert metrics["missing_answer"] == 0.0  # q1's "no tags" is not an answer that went missing
+    assert metrics["pass@2"] == metrics["majority@2"] == 1.0  # q0's vote: a tie, the first drawn (2) wins
+    assert metrics["format_compliance"] == pytest.approx(7 / 8)  # the format holds for every row
+    assert "judge_score" not in metrics and samples["judge_score"].isna().all()
+    assert samples["open_ended"].tolist() == [False, False, True, True, False, False, True, True]
+    assert samples.loc[samples["open_ended"], "correct"].isna().all()
+    assert samples.loc[~samples["open_ended"], "correct"].tolist() == [True, False, True, True]
+
+
+def test_only_open_ended_rows_give_no_answer_metrics_and_the_report_says_why():
+    metrics, _ = score("m", _mixed(["", "ref"], [True, True]), [_gen("a"), "b"], EvaluateParams())
+    assert metrics["open_ended_prompts"] == 2 and metrics["format_compliance"] == 0.5
+    assert metrics["answer_accuracy"] is metrics["answer_exact"] is metrics["missing_answer"] is None
+    note = evaluation.open_ended_note({"base": metrics, "tuned": metrics})
+    assert "2 of the 2 prompts are open-ended" in note and "set `evaluate.judge`" in note
+    assert evaluation.open_ended_note({"tuned": score("m", _formatted(["1"]), [_gen("1")], EvaluateParams())[0]}) == ""
+
+
+class _Judged:  # what `judge.Judge.score` returns
+    def __init__(self, values, malformed=0, seconds=0.5):
+        self.values, self.malformed, self.seconds = np.asarray(values), malformed, seconds
+
+
+def test_judge_scores_are_averaged_over_all_samples_and_over_the_open_ended_ones():
+    formatted = _mixed(["7", "A haiku.", ""], [False, True, True])
+    generated = [_gen("7"), _gen("Rain."), _gen("Snow.")]
+    metrics, samples = score("m", formatted, generated, EvaluateParams(), judged=_Judged([1.0, 0.5, 0.0], 1))
+    assert metrics["judge_score"] == pytest.approx(0.5) and metrics["judge_score_open_ended"] == pytest.approx(0.25)
+    assert (metrics["judge_malformed"], metrics["judge_seconds"]) == (1, 0.5)
+    assert samples["judge_score"].tolist() == [1.0, 0.5, 0.0] and metrics["answer_accuracy"] == 1.0
+    table = markdown_table({"tuned": metrics})
+    assert "| judge_score | 0.5 |" in table and "| judge_malformed | 1 |" in table
+    # one kind of row only: the mean over all is the mean over them
+    only_open, _ = score("m", formatted.iloc[1:], generated[1:], EvaluateParams(), judged=_Judged([0.5, 0.0]))
+    assert only_open["judge_score"] == 0.25 and "judge_score_open_ended" not in only_open
+
+
+def test_the_judge_is_asked_about_each_sample_with_its_reference_or_none():
+    asked = {}
+
+    class Judge:
+        def score(self, prompts, completions, references):
+            asked.update(prompts=prompts, completions=completions, references=references)
+            return _Judged([0.0] * len(completions))
+
+    formatted = _mixed(["7", ""], [False, True])
+    evaluation.judge_generations(Judge(), formatted, [_gen("7") + "<end_of_turn>", "x", "y", "z"], 2)
+    assert asked["prompts"] == [formatted["prompt"][0]] * 2 + [formatted["prompt"][1]] * 2
+    assert asked["completions"] == [_gen("7"), "x", "y", "z"]  # as scored: end of turn removed
+    assert asked["references"] == ["7", "7", None, None]
+
+
 def test_markdown_table_side_by_side_with_delta_and_gaps():
     table = markdown_table(
         {"base": {"eval_loss": 2.0, "pass@2": None, "label": "x"}, "tuned": {"eval_loss": 0.5, "pass@2": 0.75}},
@@ -284,3 +355,20 @@ def test_eval_loss_covers_the_first_loss_rows_only(tiny, tokenizer):
     first_two = evaluate_loss(model, rows.head(2), 8, mesh)
     assert metrics["eval_tokens"] == first_two["tokens"] < evaluate_loss(model, rows, 8, mesh)["tokens"]
     assert metrics["eval_loss"] == first_two["loss"]
+
+
+def test_evaluation_with_the_judge_model_reports_its_score_beside_accuracy(tiny, tokenizer, tiny_model_dir):
+    judge_lib = pytest.importorskip("tunix_pipeline.judge")
+    from tunix_pipeline.config import JudgeParams
+    from tunix_pipeline.pipelines.evaluate.nodes import _judge
+
+    model, mesh = tiny
+    params = EvaluateParams(max_new_tokens=4, batch_size=4, judge=JudgeParams(source=str(tiny_model_dir), batch_size=4))
+    judge = _judge(params, mesh)
+    assert isinstance(judge, judge_lib.Judge) and _judge(EvaluateParams(), mesh) is None
+    formatted = _mixed(["1", "A haiku about rain.", "3", ""], [False, True, False, True])
+    evaluator = evaluation.Evaluator(model, tokenizer, mesh, params, pd.DataFrame(), formatted, 4, judge)
+    metrics, samples = evaluator.measure("tuned")
+    assert 0.0 <= metrics["judge_score"] <= 1.0 and 0.0 <= metrics["judge_score_open_ended"] <= 1.0
+    assert 0 <= metrics["judge_malformed"] <= 4 and metrics["judge_seconds"] > 0
+    assert samples["judge_score"].between(0, 1).all() and metrics["open_ended_prompts"] == 2

@@ -62,3 +62,21 @@ def test_answer_extraction_and_format_compliance():
     assert not well_formed("<reasoning>x</reasoning><answer>42</answer> trailing")
     assert not well_formed("<reasoning></reasoning><answer>42</answer>")  # an empty part
     assert not well_formed("<reasoning>x</reasoning><answer>4</answer><answer>2</answer>")  # a tag twice
+
+
+def test_open_ended_records_keep_their_mark_and_a_prompt_only_one_has_no_completion(tokenizer):
+    records = pd.DataFrame(
+        [
+            {"id": "1", "source": "s", "prompt": "2+2?", "messages": None, "reasoning": "", "answer": "4",
+             "open_ended": False},
+            {"id": "2", "source": "w", "prompt": "A haiku.", "messages": None, "reasoning": "", "answer": "Rain falls.",
+             "open_ended": True},
+            {"id": "3", "source": "w", "prompt": "A limerick.", "messages": None, "reasoning": "", "answer": "",
+             "open_ended": True},
+        ]
+    )
+    out = format_records(records, tokenizer, FormatParams())
+    assert out["open_ended"].tolist() == [False, True, True]
+    assert out.loc[1, "completion"] == "<reasoning></reasoning><answer>Rain falls.</answer><end_of_turn>"
+    assert out.loc[2, "completion"] == "" and out.loc[2, "prompt"].endswith("<start_of_turn>model\n")
+    assert format_records(records.drop(columns="open_ended"), tokenizer, FormatParams())["open_ended"].eq(False).all()

@@ -227,3 +227,36 @@ def test_prose_with_markdown_headings_is_not_a_gsm8k_answer(tmp_path):
     # GSM8K's own marker still ends in the one-line final answer
     assert split_completion("a\n#### 1,234\n") == ("a", "1234")
     assert split_completion("#### Heading\nbody") == ("", "#### Heading\nbody")
+
+
+def test_open_ended_rows_carry_a_reference_or_none_and_no_answer_to_match(tmp_path):
+    path = _jsonl(
+        tmp_path / "writing.jsonl",
+        [
+            {"task": "Write a haiku about rain.", "ref": "Soft rain on the roof"},
+            {"task": "Summarise: the cat sat on the mat.", "ref": "<reasoning>Short.</reasoning><answer>A cat sat.</answer>"},
+            {"task": "Write a limerick about a goat."},  # prompt only: a prompt for GRPO and evaluation
+            {"task": "Tell a story.", "ref": None},
+            {"task": "  ", "ref": "text"},
+            {"task": "A poem?", "ref": "<reasoning>r</reasoning><answer> </answer>"},
+        ],
+    )
+    source = SourceParams(name="writing", path=path, format="open", columns={"prompt": "task", "reference": "ref"})
+    train, _, report = ingest(_params(source))
+    by_prompt = train.set_index("prompt")
+    assert by_prompt["open_ended"].tolist() == [True] * 4
+    assert by_prompt.loc["Write a haiku about rain.", ["reasoning", "answer"]].tolist() == ["", "Soft rain on the roof"]
+    assert by_prompt.loc["Summarise: the cat sat on the mat.", ["reasoning", "answer"]].tolist() == ["Short.", "A cat sat."]
+    assert by_prompt.loc["Write a limerick about a goat.", "answer"] == by_prompt.loc["Tell a story.", "answer"] == ""
+    dropped = report["sources"]["writing"]["dropped_rows"]
+    assert [(d["location"], d["reason"]) for d in dropped] == [(f"{path}:5", "empty_field:task"),
+                                                              (f"{path}:6", "empty_answer")]
+    assert "leave it out for a prompt-only row" in dropped[1]["message"]
+    with pytest.raises(DataError, match=r"writing\.jsonl:5: 'task' is empty"):
+        ingest(_params(source, on_bad_row="fail"))
+
+
+def test_rows_of_the_answer_formats_are_not_open_ended(tmp_path):
+    path = _jsonl(tmp_path / "qa.jsonl", [{"question": "1+1?", "answer": "#### 2"}])
+    train, _, _ = ingest(_params(SourceParams(name="qa", path=path, format="gsm8k")))
+    assert train["open_ended"].tolist() == [False]

@@ -45,6 +45,30 @@ def test_overlong_rows_are_truncated_or_dropped_and_counted(tokenizer):
     assert sum(stats["length_histogram"]["counts"]) == 3
 
 
+def test_prompt_only_rows_are_skipped_and_counted(tokenizer):
+    data = _formatted(["<bos>q0", "<bos>write a poem", "<bos>q2"], ["a", "", "b"])
+    rows, stats = tokenize_split(data, tokenizer, TokenizeParams(max_length=16))
+    assert rows["id"].tolist() == ["0", "2"]
+    assert (stats["rows_in"], stats["skipped_prompt_only"], stats["examples_out"]) == (3, 1, 2)
+    rows, stats = tokenize_split(data.iloc[[1]], tokenizer, TokenizeParams(max_length=16))
+    assert rows.empty and (stats["rows_in"], stats["skipped_prompt_only"], stats["rows_out"]) == (1, 1, 0)
+
+
+def test_the_tokenize_node_says_what_to_do_when_every_training_row_is_a_prompt_only(tiny_model_dir):
+    from tunix_pipeline.config import SftParams
+    from tunix_pipeline.pipelines.tokenize.nodes import tokenize
+    from tunix_pipeline.readers import DataError
+
+    prompts = _formatted(["<bos>write a poem", "<bos>write a song"], ["", ""])
+    sft = SftParams(max_steps=10, per_device_batch_size=1, learning_rate=1e-4, checkpoint_every=5)
+    with pytest.raises(DataError, match=r"all 2 training rows are open-ended prompts without a reference.*max_steps: 0"):
+        tokenize(prompts, prompts, {"path": str(tiny_model_dir)}, TokenizeParams(max_length=16), sft)
+    # no SFT this session (another run's checkpoint passes on): the prompts go on to GRPO
+    passing = sft.model_copy(update={"max_steps": 0, "init_from": "runs/sft"})
+    train, _, report = tokenize(prompts, prompts, {"path": str(tiny_model_dir)}, TokenizeParams(max_length=16), passing)
+    assert train.empty and report["train"]["skipped_prompt_only"] == 2
+
+
 def test_rows_survive_a_parquet_round_trip(tokenizer, tmp_path):
     rows, _ = tokenize_split(_formatted(["<bos>q"], ["a"]), tokenizer, TokenizeParams(max_length=16))
     rows.to_parquet(tmp_path / "t.parquet")

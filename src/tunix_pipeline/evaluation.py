@@ -8,7 +8,14 @@ Metrics per model (`score`):
 - `truncated`: generation stopped at `max_new_tokens` without an end-of-turn;
 - `mean_completion_tokens` / `mean_completion_chars`;
 - with several samples per prompt: `pass@k` (some sample right) and `majority@k`
-  (the most common extracted answer is right); accuracies are then over all samples (pass@1).
+  (the most common extracted answer is right); accuracies are then over all samples (pass@1);
+- with `evaluate.judge`: `judge_score`, the judge model's mean score of all samples (and
+  `judge_score_open_ended`, of the open-ended ones, when there are both kinds), and `judge_malformed`,
+  the replies that gave no usable score, `judge_seconds` the time it took.
+
+Open-ended rows (`open_ended`: writing, summaries) have no answer to match: the answer
+metrics (accuracy, exact, missing answer, pass@k, majority@k) leave them out and
+`open_ended_prompts` counts them; the judge scores them.
 
 A prompt longer than `max_prompt_length` is skipped and counted (`prompts_too_long`),
 an empty eval split gives a report that says so, not an exception.
@@ -25,14 +32,15 @@ from flax import nnx
 
 from tunix_pipeline.answers import answers_match, clean, extract_answer, normal, well_formed
 from tunix_pipeline.config import EvaluateParams
+from tunix_pipeline.formatting import is_open_ended
 from tunix_pipeline.generation import Generator, select_prompts
 from tunix_pipeline.loss import model_inputs, token_nll
 from tunix_pipeline.runtime import process_rows, shard_rows
 from tunix_pipeline.training import eval_batches
 
 SAMPLE_COLUMNS = [
-    "model", "id", "sample", "prompt", "reference", "generated", "extracted",
-    "correct", "exact", "well_formed", "completion_tokens", "truncated",
+    "model", "id", "sample", "prompt", "reference", "open_ended", "generated", "extracted",
+    "correct", "exact", "well_formed", "judge_score", "completion_tokens", "truncated",
 ]
 
 
@@ -94,56 +102,69 @@ def score(
     generated: list[str],
     params: EvaluateParams,
     completion_tokens: list[int] | None = None,
+    judged=None,
 ) -> tuple[dict, pd.DataFrame]:
-    """Metrics and one sample row per generation; `generated` holds `num_samples` consecutive texts per prompt."""
+    """Metrics and one sample row per generation; `generated` holds `num_samples` consecutive texts per prompt;
+    `judged`: the judge's result for them (`judge_generations`), or None."""
     k = params.num_samples
     records = formatted.to_dict(orient="records")
     if len(generated) != len(records) * k:
         raise ValueError(f"{len(generated)} generations for {len(records)} prompts x {k} samples")
     have_tokens = bool(completion_tokens) and completion_tokens[0] is not None
     completion_tokens = completion_tokens if have_tokens else [None] * len(generated)
-    rows = []
-    for j, (text, n_tokens) in enumerate(zip(generated, completion_tokens)):
-        record = records[j // k]
-        text = clean(text)
-        extracted = extract_answer(text)
-        reference = str(record["answer"])
-        rows.append(
-            {
-                "model": label,
-                "id": record["id"],
-                "sample": j % k,
-                "prompt": record["prompt"],
-                "reference": reference,
-                "generated": text,
-                "extracted": extracted,
-                "correct": answers_match(extracted, reference, params.numeric_tolerance),
-                "exact": exact_match(extracted, reference),
-                "well_formed": well_formed(text),
-                "completion_tokens": n_tokens,
-                "truncated": n_tokens is not None and n_tokens >= params.max_new_tokens,
-            }
-        )
-    samples = pd.DataFrame(rows, columns=SAMPLE_COLUMNS)
-    n = len(samples)
-
-    def mean(column) -> float | None:
-        return float(np.mean([float(r[column]) for r in rows])) if n else None
-
+    rows = [_sample(label, records[j // k], j % k, text, n_tokens, params)
+            for j, (text, n_tokens) in enumerate(zip(generated, completion_tokens))]
+    if judged is not None:
+        for row, value in zip(rows, judged.values):
+            row["judge_score"] = float(value)
+    # open-ended rows have no answer to match: the answer metrics cover the others
+    answered = [r for r in rows if not r["open_ended"]]
     metrics = {
         "prompts": len(records),
-        "samples": n,
-        "answer_accuracy": mean("correct"),
-        "answer_exact": mean("exact"),
-        "format_compliance": mean("well_formed"),
-        "missing_answer": float(np.mean([r["extracted"] is None for r in rows])) if n else None,
-        "truncated": mean("truncated") if have_tokens else None,
-        "mean_completion_tokens": mean("completion_tokens") if have_tokens else None,
-        "mean_completion_chars": float(np.mean([len(r["generated"]) for r in rows])) if n else None,
+        "open_ended_prompts": sum(map(is_open_ended, records)),
+        "samples": len(rows),
+        "answer_accuracy": _mean(r["correct"] for r in answered),
+        "answer_exact": _mean(r["exact"] for r in answered),
+        "format_compliance": _mean(r["well_formed"] for r in rows),
+        "missing_answer": _mean(r["extracted"] is None for r in answered),
+        "truncated": _mean(r["truncated"] for r in rows) if have_tokens else None,
+        "mean_completion_tokens": _mean(r["completion_tokens"] for r in rows) if have_tokens else None,
+        "mean_completion_chars": _mean(len(r["generated"]) for r in rows),
     }
     if k > 1:
-        metrics.update(_per_prompt_metrics(rows, k, params.numeric_tolerance))
-    return metrics, samples
+        metrics.update(_per_prompt_metrics(answered, k, params.numeric_tolerance))
+    if judged is not None:
+        metrics.update(_judge_metrics(rows, judged))
+    return metrics, pd.DataFrame(rows, columns=SAMPLE_COLUMNS)
+
+
+def _sample(label: str, record: dict, sample: int, text, n_tokens: int | None, params: EvaluateParams) -> dict:
+    """One generation's row; `correct` and `exact` are None for an open-ended record (no answer to match)."""
+    text = clean(text)
+    extracted = extract_answer(text)
+    reference = str(record["answer"])
+    open_ended = is_open_ended(record)
+    return {
+        "model": label,
+        "id": record["id"],
+        "sample": sample,
+        "prompt": record["prompt"],
+        "reference": reference,
+        "open_ended": open_ended,
+        "generated": text,
+        "extracted": extracted,
+        "correct": None if open_ended else answers_match(extracted, reference, params.numeric_tolerance),
+        "exact": None if open_ended else exact_match(extracted, reference),
+        "well_formed": well_formed(text),
+        "judge_score": None,
+        "completion_tokens": n_tokens,
+        "truncated": n_tokens is not None and n_tokens >= params.max_new_tokens,
+    }
+
+
+def _mean(values) -> float | None:
+    values = [float(v) for v in values]
+    return float(np.mean(values)) if values else None
 
 
 def _per_prompt_metrics(rows: list[dict], k: int, tolerance: float) -> dict:
@@ -156,6 +177,26 @@ def _per_prompt_metrics(rows: list[dict], k: int, tolerance: float) -> dict:
         majority_k.append(answers_match(voted, group[0]["reference"], tolerance))
     return {f"pass@{k}": float(np.mean(pass_k)) if pass_k else None,
             f"majority@{k}": float(np.mean(majority_k)) if majority_k else None}
+
+
+def judge_generations(judge, formatted: pd.DataFrame, generated: list[str], k: int):
+    """The judge's result (`judge.Judge.score`) for each generation (`k` consecutive ones per prompt): its prompt,
+    its completion as scored, and the row's reference (None for an open-ended prompt without one)."""
+    records = formatted.to_dict(orient="records")
+    prompts = [r["prompt"] for r in records for _ in range(k)]
+    references = [str(r["answer"]) or None for r in records for _ in range(k)]
+    return judge.score(prompts, [clean(text) for text in generated], references)
+
+
+def _judge_metrics(rows: list[dict], judged) -> dict:
+    """The judge's mean score over all samples (and over the open-ended ones when there are both kinds), how many
+    replies gave no usable score, and the time it took."""
+    metrics = {"judge_score": _mean(r["judge_score"] for r in rows), "judge_malformed": int(judged.malformed),
+               "judge_seconds": float(judged.seconds)}
+    open_ended = [r for r in rows if r["open_ended"]]
+    if open_ended and len(open_ended) < len(rows):
+        metrics["judge_score_open_ended"] = _mean(r["judge_score"] for r in open_ended)
+    return metrics
 
 
 def _cell(value) -> str:
@@ -188,14 +229,16 @@ def markdown_table(metrics: dict[str, dict], delta: tuple[str, str] | None = Non
 
 # ---------------------------------------------------------------- the evaluator
 class Evaluator:
-    """Loss on the eval rows (`loss_rows` of them) and generation on the held-out prompts, for one model whose weights change."""
+    """Loss on the eval rows (`loss_rows` of them) and generation on the held-out prompts, for one model whose weights
+    change; `judge` (a `judge.Judge`, or None) scores the generations."""
 
     def __init__(self, model, tokenizer, mesh, params: EvaluateParams, eval_tokens: pd.DataFrame,
-                 eval_formatted: pd.DataFrame, loss_batch_size: int):
+                 eval_formatted: pd.DataFrame, loss_batch_size: int, judge=None):
         self.model, self.tokenizer, self.mesh, self.params = model, tokenizer, mesh, params
         self.eval_tokens = eval_tokens if params.loss_rows is None else eval_tokens.head(params.loss_rows)
         self.loss_batch_size = loss_batch_size
         self.held_out, self.too_long, self.prompt_length = select_prompts(eval_formatted, tokenizer, params)
+        self.judge = judge
         self._generator: Generator | None = None
 
     def measure(self, label: str) -> tuple[dict, pd.DataFrame]:
@@ -205,14 +248,28 @@ class Evaluator:
             loss = evaluate_loss(self.model, self.eval_tokens, self.loss_batch_size, self.mesh)
             metrics = {f"eval_{k}": v for k, v in loss.items()}
         prompts = self.held_out["prompt"].tolist()
-        texts, lengths = [], []
+        texts, lengths, judged = [], [], None
         if prompts:
             if self._generator is None:
                 self._generator = Generator(self.model, self.tokenizer, self.params, self.prompt_length)
             with self.mesh:
                 texts, lengths = self._generator(prompts)
-        scores, samples = score(label, self.held_out, texts, self.params, lengths)
+            if self.judge is not None:
+                judged = judge_generations(self.judge, self.held_out, texts, self.params.num_samples)
+        scores, samples = score(label, self.held_out, texts, self.params, lengths, judged)
         return {**metrics, **scores, "prompts_too_long": self.too_long}, samples
+
+
+def open_ended_note(results: dict[str, dict]) -> str:
+    """A sentence for the report when some evaluated prompts are open-ended (the answer metrics leave them out)."""
+    counts = {m.get("open_ended_prompts") or 0 for m in results.values()}
+    n, prompts = max(counts), max(m.get("prompts") or 0 for m in results.values())
+    if not n:
+        return ""
+    judged = "the judge scores them (`judge_score`)" if any("judge_score" in m for m in results.values()) \
+        else "set `evaluate.judge` to score them"
+    return (f"\n{n} of the {prompts} prompts are open-ended (no answer to match): the answer metrics cover the other "
+            f"{prompts - n}; {judged}.\n")
 
 
 def empty_report(reason: str) -> str:

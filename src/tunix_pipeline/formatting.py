@@ -5,6 +5,8 @@ tokenizer's own chat template when it has one, else with Gemma's turn format
 (which is what Gemma's template renders, so both paths agree for Gemma).
 The completion is `<reasoning>…</reasoning><answer>…</answer>` plus the
 end-of-turn marker, kept apart from the prompt so the loss can skip it.
+An open-ended row (`open_ended`: no answer to match) renders its reference the
+same way; one without a reference has an empty completion (a prompt only).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from tunix_pipeline.answers import GEMMA_END_OF_TURN, render
 from tunix_pipeline.config import FormatParams
 from tunix_pipeline.ingest import conversation
 
-FORMATTED_COLUMNS = ["id", "source", "prompt", "completion", "answer"]
+FORMATTED_COLUMNS = ["id", "source", "prompt", "completion", "answer", "open_ended"]
 
 
 def _conversation(record: dict, system_prompt: str | None) -> list[dict]:
@@ -52,15 +54,25 @@ def end_of_turn(tokenizer) -> str:
     return tokenizer.eos_token or ""
 
 
+def is_open_ended(row: dict) -> bool:
+    """A row with no answer to match (rows from before the column existed all have one)."""
+    return bool(row.get("open_ended", False))
+
+
+def answer_rows(formatted: pd.DataFrame) -> pd.DataFrame:
+    """The rows that have an answer to match."""
+    return formatted[~formatted["open_ended"].astype(bool)] if "open_ended" in formatted else formatted
+
+
 def format_records(records: pd.DataFrame, tokenizer, params: FormatParams) -> pd.DataFrame:
     closing = end_of_turn(tokenizer)
     pairs = "rejected_answer" in records.columns
     rows = []
     for record in records.to_dict(orient="records"):
         prompt = render_prompt(_conversation(record, params.system_prompt), tokenizer, params)
-        completion = render(record["reasoning"], record["answer"]) + closing
+        completion = render(record["reasoning"], record["answer"]) + closing if record["answer"] else ""
         row = {"id": record["id"], "source": record["source"], "prompt": prompt, "completion": completion,
-               "answer": record["answer"]}
+               "answer": record["answer"], "open_ended": is_open_ended(record)}
         if pairs:  # a preference record: its rejected answer in the same format
             row["rejected"] = render(record["rejected_reasoning"], record["rejected_answer"]) + closing
         rows.append(row)

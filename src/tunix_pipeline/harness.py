@@ -28,6 +28,7 @@ import pandas as pd
 from tunix_pipeline.config import HarnessParams
 from tunix_pipeline.errors import HarnessError
 from tunix_pipeline.evaluation import markdown_table
+from tunix_pipeline.formatting import answer_rows
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,8 @@ def task_specs(tasks: list[str], rows: Path | None, data_files: dict | None = No
             specs.append(local_task(task, data_files[task]))
         elif task == TAGGED_TASK:
             if rows is None:
-                raise HarnessError(f"evaluate.harness: the {TAGGED_TASK} task needs eval rows (ingest.eval_fraction > 0)")
+                raise HarnessError(f"evaluate.harness: the {TAGGED_TASK} task needs eval rows with an answer "
+                                   "(ingest.eval_fraction > 0; open-ended rows have none)")
             config = yaml.safe_load((TASKS_DIR / f"{TAGGED_TASK}.yaml").read_text())
             # the rows' Arrow cache beside them (a temporary folder), not in ~/.cache
             config["dataset_kwargs"] = {"data_files": {"test": str(rows)}, "cache_dir": str(rows.parent / "datasets")}
@@ -221,7 +223,8 @@ class Harness:
     def __init__(self, model, tokenizer, mesh, params: HarnessParams, model_dir: str | Path, eval_formatted: pd.DataFrame):
         self.params = params
         self._tmp = tempfile.TemporaryDirectory(prefix="harness_")
-        self.rows = write_rows(eval_formatted, tokenizer, Path(self._tmp.name) / "eval_rows.jsonl") if len(eval_formatted) else None
+        answered = answer_rows(eval_formatted)  # tagged_answer matches answers: open-ended rows have none
+        self.rows = write_rows(answered, tokenizer, Path(self._tmp.name) / "eval_rows.jsonl") if len(answered) else None
         self.lm = make_lm(model, tokenizer, mesh, params, model_dir)
 
     def measure(self, label: str) -> dict:

@@ -1,7 +1,9 @@
 """Reads data sources into one record schema, with a data-quality report.
 
 Record schema: id, source, prompt (str or None), messages (list of
-{role, content} or None), reasoning (str, may be empty), answer (str).
+{role, content} or None), reasoning (str, may be empty), answer (str),
+open_ended (bool: an `open` row, with no answer to match; its answer is its
+reference's, empty when it has none).
 Every source row becomes a record, is counted as a duplicate, or is dropped
 with its location (file and line), a stable reason slug (e.g.
 `missing_column:answer`, the metric name) and a sentence for people;
@@ -27,7 +29,7 @@ from tunix_pipeline.config import IngestParams, SourceParams
 from tunix_pipeline.fields import BadRow, json_type
 from tunix_pipeline.readers import FORMAT_FIELDS, DataError, read_rows, selection
 
-RECORD_COLUMNS = ["id", "source", "prompt", "messages", "reasoning", "answer"]
+RECORD_COLUMNS = ["id", "source", "prompt", "messages", "reasoning", "answer", "open_ended"]
 # preference records: reasoning/answer are the chosen answer's, these the rejected one's
 REJECTED_COLUMNS = ["rejected_reasoning", "rejected_answer"]
 MAX_DROPPED_ROWS_IN_REPORT = 10_000  # per source; the counts stay exact beyond it
@@ -89,11 +91,25 @@ def _map_row(row: dict, source: SourceParams) -> dict:
         reasoning = fields.text(row, col["reasoning"], False) or reasoning
     elif source.format == "preference":
         return _map_pair(row, col)
+    elif source.format == "open":
+        return _map_open(row, col)
     else:
         messages, reasoning, answer = _map_messages(row, col["messages"])
     if not answer:
         raise BadRow("empty_answer", "the answer is empty")
-    return {"prompt": prompt, "messages": messages, "reasoning": reasoning, "answer": fields.plain_number(answer)}
+    return {"prompt": prompt, "messages": messages, "reasoning": reasoning, "answer": fields.plain_number(answer),
+            "open_ended": False}
+
+
+def _map_open(row: dict, col: dict) -> dict:
+    """An open-ended row: a prompt, and a reference (SFT's target) or none (a prompt for GRPO and evaluation)."""
+    prompt = fields.text(row, col["prompt"], True)
+    reference = fields.text(row, col["reference"], False, numeric=True)
+    reasoning, answer = split_completion(reference) if reference else ("", "")
+    if reference and not answer:
+        raise BadRow("empty_answer", f"the reference in '{col['reference']}' has an empty answer; "
+                     "give its text, or leave it out for a prompt-only row")
+    return {"prompt": prompt, "messages": None, "reasoning": reasoning, "answer": answer, "open_ended": True}
 
 
 def _map_pair(row: dict, col: dict) -> dict:
@@ -114,7 +130,7 @@ def _map_pair(row: dict, col: dict) -> dict:
     if (chosen_reasoning, chosen_answer) == (rejected_reasoning, rejected_answer):
         raise BadRow("same_answers", "the chosen and the rejected answer are the same")
     return {"prompt": prompt, "messages": messages, "reasoning": chosen_reasoning, "answer": chosen_answer,
-            "rejected_reasoning": rejected_reasoning, "rejected_answer": rejected_answer}
+            "rejected_reasoning": rejected_reasoning, "rejected_answer": rejected_answer, "open_ended": False}
 
 
 def _map_messages(row: dict, column: str) -> tuple[list[dict], str, str]:
@@ -284,4 +300,5 @@ def record_texts(records: pd.DataFrame) -> Iterator[str]:
     for record in records.to_dict(orient="records"):
         for message in conversation(record):
             yield message["content"]
-        yield answers.render(record["reasoning"], record["answer"])
+        if record["answer"]:  # a prompt-only row has no completion
+            yield answers.render(record["reasoning"], record["answer"])

@@ -26,6 +26,8 @@ FORMAT_FIELDS = {
     "messages": {"required": ["messages"], "optional": []},
     # chosen/rejected: answer texts beside a `prompt`, or chat lists that include the prompt turns
     "preference": {"required": ["chosen", "rejected"], "optional": ["prompt"]},
+    # an open-ended task (writing, summarising): the judge scores it; a reference, when there is one, is SFT's target
+    "open": {"required": ["prompt"], "optional": ["reference"]},
 }
 
 

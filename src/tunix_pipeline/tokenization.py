@@ -12,7 +12,9 @@ several short examples share a row; segment ids keep attention within each
 example and positions restart, so a packed batch computes the same loss as
 the unpacked one with less padding. Overlong examples are truncated at the end
 (`truncate`) or dropped (`drop`); one whose prompt alone fills the length has
-nothing to learn from and is dropped either way. Both are counted.
+nothing to learn from and is dropped either way. A row with no completion (an
+open-ended prompt without a reference) has nothing to learn from either: it is
+skipped. All three are counted.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def tokenize_split(formatted: pd.DataFrame, tokenizer, params: TokenizeParams) -
     """Formatted rows -> (fixed-length token rows, stats)."""
     if tokenizer.pad_token_id is None:
         raise ModelError("the tokenizer has no pad token; add one to the model folder's tokenizer_config.json")
+    prompt_only = formatted["completion"] == ""  # they serve GRPO and evaluation as prompts
+    formatted = formatted[~prompt_only]
     n = len(formatted)
     max_len = params.max_length
     # One batched call for prompts and completions together: the fast tokenizer parallelises internally.
@@ -62,7 +66,8 @@ def tokenize_split(formatted: pd.DataFrame, tokenizer, params: TokenizeParams) -
     efficiency = real_tokens / (len(rows) * max_len) if len(rows) else 0.0
     counts, edges = np.histogram(lengths, bins=params.histogram_bins) if n else ([], [])
     stats = {
-        "rows_in": n,
+        "rows_in": n + int(prompt_only.sum()),
+        "skipped_prompt_only": int(prompt_only.sum()),
         "examples_out": len(examples),
         "rows_out": len(rows),
         "packed": params.pack,

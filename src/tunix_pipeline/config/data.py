@@ -26,7 +26,7 @@ class SourceParams(Strict):
     name: str
     path: str | None = Field(None, description="local .jsonl/.json/.parquet/.csv file")
     hf: HubDataset | None = None
-    format: Literal["gsm8k", "alpaca", "messages", "prompt_response", "preference"]
+    format: Literal["gsm8k", "alpaca", "messages", "prompt_response", "preference", "open"]
     # canonical field -> where it is in this source: a column (`problem`), a nested field (`data.problem`), or a
     # template over several (`"{Body} {Question}"`)
     columns: dict[str, str] = {}

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from tunix_pipeline.config.base import Strict
+from tunix_pipeline.config.polish import JudgeParams
 
 
 class HarnessParams(Strict):
@@ -58,6 +59,9 @@ class EvaluateParams(Strict):
     numeric_tolerance: float = Field(1e-6, ge=0)
     compare_base_model: bool = True
     harness: HarnessParams = HarnessParams()
+    # a judge model scoring every generated completion (`judge_score`, beside the answer metrics): what open-ended
+    # prompts (writing, summaries) are measured by; null: no judge
+    judge: JudgeParams | None = None
 
     @model_validator(mode="after")
     def _sampling(self):

@@ -20,7 +20,17 @@ def _evaluator(eval_tokens, eval_formatted, base_model, sft_result, model, param
     network, _ = load_run_model(base_model["path"], model, mesh, quantize=False)
     # the eval loss in SFT's micro-batches: rows of SFT's length that fit with their gradients fit without
     loss_batch_size = sft_result.get("micro_batch_size") or sft_result["global_batch_size"]
-    return network, evaluation.Evaluator(network, tokenizer, mesh, params, eval_tokens, eval_formatted, loss_batch_size)
+    return network, evaluation.Evaluator(network, tokenizer, mesh, params, eval_tokens, eval_formatted, loss_batch_size,
+                                         _judge(params, mesh))
+
+
+def _judge(params: EvaluateParams, mesh):
+    """The judge (its model loads on first use), one per evaluation node; None without `evaluate.judge`."""
+    if params.judge is None:
+        return None
+    from tunix_pipeline.judge import Judge  # imported only when configured: it brings a second model's code
+
+    return Judge(params.judge, mesh)
 
 
 def _harness(network, evaluator, base_model, eval_formatted, params: EvaluateParams):
@@ -81,6 +91,7 @@ def evaluate_models(
         harness_results["tuned"] = harness.measure("tuned")
         harness.close()
     report = "# Evaluation\n\n" + evaluation.markdown_table(results, delta=("base", "tuned") if "base" in results else None)
+    report += evaluation.open_ended_note(results)
     report = _with_harness(results, report, harness_results, ("base", "tuned"))
     return results, pd.concat(samples, ignore_index=True), report, curve
 
@@ -143,6 +154,7 @@ def _after_stage(stage: Stage, title, eval_tokens, eval_formatted, base_model, s
         results[stage.name]["heldout_pair_accuracy"] = result["heldout_pair_accuracy"]
         results[start]["heldout_pair_accuracy"] = result["heldout_pair_accuracy_before"]
     report = f"# Evaluation after {title}\n\n" + evaluation.markdown_table(results, delta=(start, stage.name))
+    report += evaluation.open_ended_note(results)
     if result.get("reward_trend"):
         rewards = ", ".join(f"{h['reward']:.2f}" for h in result["history"] if h.get("reward") is not None)
         report += f"\nGRPO's {result['reward_trend']['summary']} ({rewards}).\n"

@@ -8,7 +8,7 @@ def create_pipeline(**kwargs) -> Pipeline:
         [
             Node(
                 tokenize,
-                inputs=["train_formatted", "eval_formatted", "base_model", "params:tokenize"],
+                inputs=["train_formatted", "eval_formatted", "base_model", "params:tokenize", "params:sft"],
                 outputs=["train_tokens", "eval_tokens", "tokenize_report"],
                 name="tokenize",
             )
