@@ -63,6 +63,9 @@ def test_answer_reward_tolerance_and_missing_column():
     assert rewards.answer(None, [near], answer=["7"], tolerance=0.01) == [1.0]
     with pytest.raises(ValueError, match="needs an `answer` column"):
         rewards.answer(None, [near])
+    # an open-ended row has no answer to match (its reference is prose): 0, whatever the completion says
+    right = "<reasoning>r</reasoning><answer>A sonnet.</answer>"
+    assert rewards.answer(None, [right, right], answer=["A sonnet.", "A sonnet."], open_ended=["True", "False"]) == [0.0, 1.0]
 
 
 def test_length_penalty():

@@ -37,7 +37,8 @@ from tunix_pipeline.skips import NothingToLearn
 log = logging.getLogger(__name__)
 HISTORY_FILE = "grpo_history.json"
 # dataset columns passed to every reward as keyword arguments (besides prompts/completions)
-REWARD_COLUMNS = {"answer": "answer", "id": "id", "source": "source", "reference": "completion"}
+REWARD_COLUMNS = {"answer": "answer", "id": "id", "source": "source", "reference": "completion",
+                  "open_ended": "open_ended"}
 
 
 class GrpoError(UserError, ValueError):

@@ -2,13 +2,13 @@
 
 Every reward has Tunix's signature: `(prompts, completions, **columns) -> list[float]`,
 one score per completion; `columns` are the dataset's other columns, repeated per
-completion (`answer`, `id`, `source`, `reference`). Built-ins:
+completion (`answer`, `id`, `source`, `reference`, `open_ended`). Built-ins:
 
 | name | scores | range |
 |---|---|---|
 | `format_exact` | exactly `<reasoning>…</reasoning><answer>…</answer>` | 0 or 1 |
 | `format_approx` | each of the four tags: +0.25 once, -0.25 repeated, 0 missing | -1 … 1 |
-| `answer` | 1 correct (exact, or numeric within `tolerance`); near numeric answers get partial credit | 0 … 1 |
+| `answer` | 1 correct (exact, or numeric within `tolerance`); near numeric answers get partial credit; 0 on open-ended rows | 0 … 1 |
 | `length_penalty` | minus the share by which a completion exceeds `target_chars` | -1 … 0 |
 | `judge` | a judge model's score with a rubric (`judge:` settings, `judge.Judge`) | 0 … 1 |
 
@@ -54,10 +54,13 @@ def format_approx(prompts, completions, **_) -> list[float]:
     return scores
 
 
-def answer(prompts, completions, answer=None, tolerance: float = 1e-6, **_) -> list[float]:
+def answer(prompts, completions, answer=None, tolerance: float = 1e-6, open_ended=None, **_) -> list[float]:
+    """Open-ended rows (no answer to match: a judge scores those) get 0 from every completion."""
     if answer is None:
         raise ValueError("the `answer` reward needs an `answer` column")
-    return [answer_score(extract_answer(clean(c)), a, tolerance) for c, a in zip(completions, answer)]
+    no_answer = [False] * len(completions) if open_ended is None else [str(o) == "True" for o in open_ended]
+    return [0.0 if skip else answer_score(extract_answer(clean(c)), a, tolerance)
+            for c, a, skip in zip(completions, answer, no_answer)]
 
 
 def length_penalty(prompts, completions, target_chars: int = 200, **_) -> list[float]:
