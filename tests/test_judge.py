@@ -114,18 +114,20 @@ def test_grpo_with_a_judge_on_its_own_devices_logs_its_scores_and_time(tiny_mode
     from tunix_pipeline import grpo
     from tunix_pipeline.models import load_model
 
+    # two rows with an answer, two open-ended prompts with no reference (a judge's rows)
     formatted = pd.DataFrame({"id": [f"r{i}" for i in range(4)], "source": "t", "prompt": PROMPTS[:4],
-                              "completion": COMPLETIONS[:4], "answer": [str(i) for i in range(4)]})
-    rewards = [{"fn": "format_exact"}, {"fn": "judge", "name": "rubric", "judge": {"source": str(tiny_model_dir),
+                              "completion": COMPLETIONS[:2] + ["", ""], "answer": ["0", "1", "", ""],
+                              "open_ended": [False, False, True, True]})
+    rewards = [{"fn": "format_exact"}, {"fn": "answer"}, {"fn": "judge", "name": "rubric", "judge": {"source": str(tiny_model_dir),
                                                                                    "devices": 4, "batch_size": 4}}]
     params = GrpoParams(max_steps=2, batch_size=2, num_generations=2, max_prompt_length=32, max_completion_length=8,
                         learning_rate=1e-2, checkpoint_every=2, checkpoint_dir=str(tmp_path / "grpo"), rewards=rewards)
     mesh, judge_mesh = judge_lib.meshes(RuntimeParams(), params.rewards)
     model, _ = load_model(tiny_model_dir, mesh, "float32")
     set_ = RewardSet(params.rewards, judge_mesh)
-    assert set_.fns[1].mesh is judge_mesh
+    assert set_.fns[2].mesh is judge_mesh
     result = grpo.train_grpo(model, tokenizer, formatted, params, mesh, judge_mesh=judge_mesh)
-    assert result["latest_step"] == 2 and set(result["rewards"]) == {"format_exact", "rubric"}
+    assert result["latest_step"] == 2 and set(result["rewards"]) == {"format_exact", "answer", "rubric"}
     judged = [h["reward/rubric"] for h in result["history"]]
     assert all(0 <= r <= 1 for r in judged) and len(set(judged)) > 1  # the judge saw different completions
     assert all(h["judge/rubric/seconds"] > 0 and h["judge/rubric/malformed"] == 0 for h in result["history"])
