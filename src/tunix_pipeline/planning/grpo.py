@@ -31,6 +31,7 @@ import math
 
 from tunix_pipeline.config import GrpoParams, PlanParams
 from tunix_pipeline.planning.architecture import Architecture
+from tunix_pipeline.planning.decode import decode_line, decode_step, kv_cache_bytes
 from tunix_pipeline.planning.memory import GIB, NF4_BYTES, TrainSetup, estimate_memory, reference_bytes
 from tunix_pipeline.planning.plan import Plan, Row, size
 
@@ -61,13 +62,6 @@ def rollout_setup(row: Row, grpo: GrpoParams) -> TrainSetup:
     return update_setup(row, grpo).replace(per_device_batch=sequences_per_device(grpo, row.setup), grad_accum=1)
 
 
-def kv_cache_bytes(arch: Architecture, setup: TrainSetup, sequences: int, positions: int) -> float:
-    """Per device: keys and values of `sequences` x `positions` in every layer (Tunix's cache: one size for all
-    layers, sliding-window ones included), kv heads split over tp where they divide."""
-    tp = setup.tp if arch.num_kv_heads % setup.tp == 0 else 1
-    return arch.num_layers * 2 * sequences * positions * arch.num_kv_heads * arch.head_dim * setup.c_bytes / tp
-
-
 def decode_program_bytes(arch: Architecture, setup: TrainSetup, sequences: int) -> float:
     """Per device: what one decode step holds: the policy (once), every weight all-gathered, the KV cache and a
     step's float32 logits. The gathered weights are the conservative case: XLA:TPU gathers the whole fsdp-sharded
@@ -78,32 +72,6 @@ def decode_program_bytes(arch: Architecture, setup: TrainSetup, sequences: int) 
     gathered = (arch.embedding_params + arch.num_layers * arch.layer_matrix_params) * frozen / setup.tp if setup.fsdp > 1 else 0.0
     return (m.params - m.grads + gathered + kv_cache_bytes(arch, setup, sequences, setup.seq_len)
             + sequences * arch.vocab_size * 4)
-
-
-def decode_step(arch: Architecture, hw, setup: TrainSetup, grpo: GrpoParams, compiled: dict | None = None) -> dict:
-    """One decode step per device: its FLOPs and bytes (XLA:TPU's cost analysis of the compiled step, else the
-    estimate's), its roofline (the larger of FLOPs / peak and bytes / HBM bandwidth) and the planned time, that
-    roofline over the profile's `decode_roofline_fraction`; the times are None without both figures."""
-    compiled = compiled or {}
-    if compiled.get("flops_per_device") and compiled.get("bytes_accessed_per_device"):
-        flops, read, source = compiled["flops_per_device"], compiled["bytes_accessed_per_device"], "XLA:TPU"
-    else:
-        seqs, tp = setup.per_device_batch, setup.tp
-        flops = 2 * arch.params * seqs / tp
-        weights_read = arch.params * (NF4_BYTES if setup.mode == "qlora" else setup.c_bytes) / tp
-        # the cache is half full on average
-        read = weights_read + kv_cache_bytes(arch, setup, seqs, grpo.max_prompt_length + grpo.max_completion_length // 2)
-        source = "estimate"
-    fraction = hw.decode_roofline_fraction
-    roofline = bound = None
-    if hw.hbm_gb_per_s:
-        compute, memory = flops / (hw.peak_tflops * 1e12), read / (hw.hbm_gb_per_s * 1e9)
-        roofline, bound = max(compute, memory), "compute" if compute > memory else "memory"
-    return {
-        "flops": flops, "bytes": read, "from": source, "bound": bound, "roofline_seconds": roofline,
-        "roofline_fraction": fraction, "source": hw.decode_source,
-        "seconds": roofline / fraction if roofline is not None and fraction else None,
-    }
 
 
 def _batch_seconds(arch: Architecture, hw, setup: TrainSetup, grpo: GrpoParams, mfu: float, step: dict,
@@ -148,7 +116,7 @@ def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, sessio
 
     sequences = grpo.batch_size * grpo.num_generations
     mfu = hw.mfu or params.mfu
-    step_x = decode_step(arch, hw, roll, grpo, gen_x)
+    step_x = decode_step(arch, hw, roll, grpo.max_prompt_length, grpo.max_completion_length, gen_x)
     prefill_seconds, decode_seconds, logps_seconds, update_seconds, update_flops = _batch_seconds(
         arch, hw, setup, grpo, mfu, step_x, upd_x.get("flops_per_device"))
     batches = math.ceil(grpo.max_steps / grpo.num_iterations)
@@ -279,20 +247,6 @@ def markdown_section(plan: Plan) -> list[str]:
                      f"{'yes' if r['fits'] else 'no'} | {_time(r['step_seconds'])} | {per_hour} | "
                      f"{_time(r['hours'])} | {cost} |")
     return lines
-
-
-def decode_line(d: dict) -> str:
-    """The decode step's roofline, where its figures come from, and the fraction of it the plan assumes."""
-    where = "XLA:TPU's cost analysis of the compiled step" if d["from"] == "XLA:TPU" else "the estimate"
-    text = (f"A decode step's roofline per device: {d['flops'] / 1e9:,.3g} GFLOP and {d['bytes'] / 1e9:,.3g} GB from "
-            f"{where}")
-    if d["roofline_seconds"] is None:
-        return text + ": no time (the profile has no hbm_gb_per_s)."
-    text += f", {d['roofline_seconds'] * 1e3:.3g} ms ({d['bound']}-bound)"
-    if d["seconds"] is None:
-        return text + "; no time: the profile has no decode_roofline_fraction."
-    return (text + f"; planned {d['seconds'] * 1e3:.3g} ms at {d['roofline_fraction']:g} of it "
-            f"({d['source'] or 'no decode_source'}).")
 
 
 def xla_lines(x: dict) -> list[str]:
