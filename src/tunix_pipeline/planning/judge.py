@@ -61,7 +61,7 @@ def policy_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams) -> tu
     if completions % dp or micro % dp:
         fit = [m for m in range(1, total) if not (completions % (total - m) or micro % (total - m))]
         return policy, (f"grpo.batch_size x num_generations ({completions}, micro-batches of {micro}) does not divide "
-                        f"the {total - n} devices judge.devices: {n} leaves the policy on {row.profile}: use "
+                        f"the {total - n} devices judge.devices: {n} leaves the policy: use "
                         + (f"judge.devices: {' or '.join(map(str, fit))}" if fit else "a batch that divides them"))
     return policy, None
 
