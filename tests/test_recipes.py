@@ -24,7 +24,7 @@ from tunix_pipeline.planning.memory import GIB
 from .conftest import ROOT, copy_project
 
 RECIPES = ["tpu_full", "qwen05b_v5e8", "gpu24_lora", "gpu80_lora_7b", "v4_64_pod", "kaggle_gemma3_1b_v5e8",
-           "kaggle_gemma2_2b_v5e8"]
+           "kaggle_gemma2_2b_v5e8", "kaggle_gemma3_1b_judge_v5e8"]
 KAGGLE = ["kaggle_gemma3_1b_v5e8", "kaggle_gemma2_2b_v5e8"]
 # the TPU recipes' plans compile their train step for their topology (XLA:TPU through libtpu, on
 # this CPU; 1 and 2 layers for the deep models) and rest on it; the GPU and Kaggle recipes skip the
@@ -327,6 +327,32 @@ def test_kaggle_recipe_chains_lora_sft_simpo_grpo_within_the_session_and_week(pl
     assert set(stages["hours"]) == {"sft", "preference", "grpo"} and stages["total_hours"] <= p["sessions"]["weekly_hours"]
     print(f"{env}: GRPO generation {g['generation_gib']:.2f} GiB, update {g['update_gib']:.2f} GiB per chip, "
           f"{g['samples_per_hour']:.0f} completions/h, {g['hours']:.1f} h; every stage {stages['total_hours']:.1f} h")
+
+
+def test_the_judge_recipe_is_the_gemma3_recipe_with_a_gemma3_4b_judge_on_half_the_chips(plans, params):
+    """The winners' layout: Gemma-3-1B's chain, GRPO also rewarded by gemma-3-4b-it on 4 of the v5e-8's chips."""
+    p, base = params["kaggle_gemma3_1b_judge_v5e8"], params["kaggle_gemma3_1b_v5e8"]
+    for section in ("model", "sft", "tokenize", "runtime", "ingest", "evaluate", "sessions"):
+        assert p[section] == base[section], section
+    (judge,) = [r.judge for r in p["grpo"].rewards if r.fn == "judge"]
+    assert (judge.source, judge.dtype, judge.read, judge.devices) == ("google/gemma-3-4b-it", "bfloat16", "label", 4)
+    assert {r.fn for r in p["grpo"].rewards} == {"format_exact", "format_approx", "answer", "judge"}
+    assert "judge" not in {r.fn for r in p["preference"].from_rewards.rewards}  # pair building as the 1B recipe's
+    summary, report = plans["kaggle_gemma3_1b_judge_v5e8"]
+    g = summary["grpo"]["selected"]
+    j = g["judge"]
+    (d,) = j["judges"]
+    assert (j["sub_mesh_devices"], j["policy_devices"]) == (4, 4) and g["fits"] and j["problem"] is None
+    assert 3.5e9 < d["architecture"]["params"] < 4.5e9 and d["calls"] == 128 // 16
+    # the 4B's bf16 weights over its 4 chips, and one call of 4 rubrics a chip, within a chip
+    assert d["weights_gib"] == pytest.approx(d["architecture"]["params"] * 2 / 4 / GIB, rel=0.01)
+    assert d["weights_gib"] < j["sub_mesh_gib"] < g["usable_memory_gib"]
+    # the policy decodes the 128 completions on its 4 chips; the judge's time is in the step, within the session
+    assert g["sequences_per_device"] == 32 and g["step_seconds"] > g["update_seconds"] + j["seconds"]
+    assert g["within_session"] and g["hours"] <= p["sessions"]["plan"][2]["hours"]
+    assert "judge `judge`: google/gemma-3-4b-it" in report and "the policy runs on the other 4 devices" in report
+    print(f"judge recipe: judge {j['sub_mesh_gib']:.2f} GiB per chip, {j['seconds']:.1f} s a step; GRPO "
+          f"{g['step_seconds']:.1f} s a step, {g['samples_per_hour']:.0f} completions/h, {g['hours']:.2f} h")
 
 
 # ---------------------------------------------------------------- knobs the recipes needed

@@ -31,6 +31,8 @@ import math
 
 from tunix_pipeline.config import GrpoParams, PlanParams
 from tunix_pipeline.planning.architecture import Architecture
+from tunix_pipeline.planning import judge
+from tunix_pipeline.planning.decode import decode_line, decode_step, kv_cache_bytes
 from tunix_pipeline.planning.memory import GIB, NF4_BYTES, TrainSetup, estimate_memory, reference_bytes
 from tunix_pipeline.planning.plan import Plan, Row, size
 
@@ -61,13 +63,6 @@ def rollout_setup(row: Row, grpo: GrpoParams) -> TrainSetup:
     return update_setup(row, grpo).replace(per_device_batch=sequences_per_device(grpo, row.setup), grad_accum=1)
 
 
-def kv_cache_bytes(arch: Architecture, setup: TrainSetup, sequences: int, positions: int) -> float:
-    """Per device: keys and values of `sequences` x `positions` in every layer (Tunix's cache: one size for all
-    layers, sliding-window ones included), kv heads split over tp where they divide."""
-    tp = setup.tp if arch.num_kv_heads % setup.tp == 0 else 1
-    return arch.num_layers * 2 * sequences * positions * arch.num_kv_heads * arch.head_dim * setup.c_bytes / tp
-
-
 def decode_program_bytes(arch: Architecture, setup: TrainSetup, sequences: int) -> float:
     """Per device: what one decode step holds: the policy (once), every weight all-gathered, the KV cache and a
     step's float32 logits. The gathered weights are the conservative case: XLA:TPU gathers the whole fsdp-sharded
@@ -78,32 +73,6 @@ def decode_program_bytes(arch: Architecture, setup: TrainSetup, sequences: int) 
     gathered = (arch.embedding_params + arch.num_layers * arch.layer_matrix_params) * frozen / setup.tp if setup.fsdp > 1 else 0.0
     return (m.params - m.grads + gathered + kv_cache_bytes(arch, setup, sequences, setup.seq_len)
             + sequences * arch.vocab_size * 4)
-
-
-def decode_step(arch: Architecture, hw, setup: TrainSetup, grpo: GrpoParams, compiled: dict | None = None) -> dict:
-    """One decode step per device: its FLOPs and bytes (XLA:TPU's cost analysis of the compiled step, else the
-    estimate's), its roofline (the larger of FLOPs / peak and bytes / HBM bandwidth) and the planned time, that
-    roofline over the profile's `decode_roofline_fraction`; the times are None without both figures."""
-    compiled = compiled or {}
-    if compiled.get("flops_per_device") and compiled.get("bytes_accessed_per_device"):
-        flops, read, source = compiled["flops_per_device"], compiled["bytes_accessed_per_device"], "XLA:TPU"
-    else:
-        seqs, tp = setup.per_device_batch, setup.tp
-        flops = 2 * arch.params * seqs / tp
-        weights_read = arch.params * (NF4_BYTES if setup.mode == "qlora" else setup.c_bytes) / tp
-        # the cache is half full on average
-        read = weights_read + kv_cache_bytes(arch, setup, seqs, grpo.max_prompt_length + grpo.max_completion_length // 2)
-        source = "estimate"
-    fraction = hw.decode_roofline_fraction
-    roofline = bound = None
-    if hw.hbm_gb_per_s:
-        compute, memory = flops / (hw.peak_tflops * 1e12), read / (hw.hbm_gb_per_s * 1e9)
-        roofline, bound = max(compute, memory), "compute" if compute > memory else "memory"
-    return {
-        "flops": flops, "bytes": read, "from": source, "bound": bound, "roofline_seconds": roofline,
-        "roofline_fraction": fraction, "source": hw.decode_source,
-        "seconds": roofline / fraction if roofline is not None and fraction else None,
-    }
 
 
 def _batch_seconds(arch: Architecture, hw, setup: TrainSetup, grpo: GrpoParams, mfu: float, step: dict,
@@ -127,35 +96,33 @@ def _batch_seconds(arch: Architecture, hw, setup: TrainSetup, grpo: GrpoParams, 
 
 
 def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, session_hours: float | None = None,
-              compiled: dict | None = None) -> dict:
-    """GRPO on one profile (the SFT row's mesh and dtypes); `compiled`: `grpo_xla.check`'s figures for it."""
+              compiled: dict | None = None, judges: dict | None = None) -> dict:
+    """GRPO on one profile (the SFT row's mesh and dtypes; with a judge on its own devices, the policy's row on the
+    others: `judge.policy_row`); `compiled`: `grpo_xla.check`'s figures for it; `judges`: `judge.terms` on it."""
     arch, hw, setup, roll = plan.job.arch, row.hw, update_setup(row, grpo), rollout_setup(row, grpo)
     prompt, length, seqs = grpo.max_prompt_length, grpo.max_prompt_length + grpo.max_completion_length, roll.per_device_batch
     m = estimate_memory(arch, setup)
     reference = reference_bytes(arch, setup, m.trainable_params) if grpo.beta else 0.0
+    shared = judges["shared"] if judges else 0.0  # time-shared judges' weights, beside both phases
     # generation: the decode step's program (the policy once: the update's input and output copies are not
     # live), the prefill's float32 logits over the prompt on top, and beside them the optimizer state and reference
     kv = kv_cache_bytes(arch, roll, seqs, length)
     decode = decode_program_bytes(arch, roll, seqs)
     prefill_logits = seqs * prompt * arch.vocab_size * 4
-    update = m.peak + reference
+    update = m.peak + reference + shared
     gen_x, upd_x = (compiled or {}).get("generation") or {}, (compiled or {}).get("update") or {}
     if "xla_gib" in gen_x:
         decode = gen_x["xla_gib"] * GIB
-    generation = decode + prefill_logits + m.optimizer + reference
+    generation = decode + prefill_logits + m.optimizer + reference + shared
     if "xla_gib" in upd_x:  # the train step holds the policy and its optimizer; the reference beside it
-        update = upd_x["xla_gib"] * GIB + reference
+        update = upd_x["xla_gib"] * GIB + reference + shared
 
-    sequences = grpo.batch_size * grpo.num_generations
     mfu = hw.mfu or params.mfu
-    step_x = decode_step(arch, hw, roll, grpo, gen_x)
+    step_x = decode_step(arch, hw, roll, grpo.max_prompt_length, grpo.max_completion_length, gen_x)
     prefill_seconds, decode_seconds, logps_seconds, update_seconds, update_flops = _batch_seconds(
         arch, hw, setup, grpo, mfu, step_x, upd_x.get("flops_per_device"))
-    batches = math.ceil(grpo.max_steps / grpo.num_iterations)
-    setup_hours = (hw.setup_minutes if hw.setup_minutes is not None else params.session_setup_minutes) / 60
-    session = min((h for h in (session_hours, hw.session_hours) if h), default=None)
     out = {
-        "session_hours": session,
+        "session_hours": min((h for h in (session_hours, hw.session_hours) if h), default=None),
         "sequences_per_device": seqs,
         "update_sequences_per_device": setup.per_device_batch,
         "micro_batches": setup.grad_accum,
@@ -174,34 +141,49 @@ def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, sessio
         "update_seconds": logps_seconds + update_seconds,
         "update_flops": update_flops,
         "update_flops_from": "XLA:TPU" if upd_x.get("flops_per_device") else "estimate",
-        "rollout_batches": batches,
+        "rollout_batches": math.ceil(grpo.max_steps / grpo.num_iterations),
         "quoted_estimate": hw.quoted_grpo_estimate or None,
         "step_seconds": None, "samples_per_hour": None, "hours": None, "within_session": None, "cost": None,
     }
-    if decode_seconds is None:  # no bandwidth or no roofline fraction for this profile: no time
+    if judges:
+        # time-shared scoring: the policy's resident state (weights once, optimizer state, reference) and the call
+        scoring = (m.params - m.grads + m.optimizer + reference + judges["shared_peak"]) if judges["shared"] else None
+        out["judge"] = {**judges["summary"], "shared_scoring_gib": None if scoring is None else round(scoring / GIB, 3)}
+    judge_seconds = judges["seconds"] if judges else 0.0
+    if decode_seconds is None or judge_seconds is None:  # no bandwidth or no roofline fraction: no time
         return out
-    step = prefill_seconds + decode_seconds + logps_seconds + update_seconds
+    _timed(out, prefill_seconds + decode_seconds + logps_seconds + update_seconds + judge_seconds, grpo, row, params)
+    return out
+
+
+def _timed(out: dict, step: float, grpo: GrpoParams, row: Row, params: PlanParams) -> None:
+    """`out`'s step time, completions an hour, hours (checkpoints and set-up included), session fit and cost."""
+    hw = row.hw
+    setup_hours = (hw.setup_minutes if hw.setup_minutes is not None else params.session_setup_minutes) / 60
     saves = math.ceil(grpo.max_steps / grpo.checkpoint_every)
-    hours = (batches * step + saves * row.checkpoint_seconds) / 3600 + setup_hours
+    hours = (out["rollout_batches"] * step + saves * row.checkpoint_seconds) / 3600 + setup_hours
     out.update(
         step_seconds=step,
-        samples_per_hour=sequences * 3600 / step,
+        samples_per_hour=grpo.batch_size * grpo.num_generations * 3600 / step,
         hours=hours,
-        within_session=session is None or hours <= session,
+        within_session=out["session_hours"] is None or hours <= out["session_hours"],
         cost=hours * hw.cost_per_hour if hw.cost_per_hour is not None else None,
     )
-    return out
 
 
 def add_grpo(plan: Plan, grpo: GrpoParams, params: PlanParams, session_hours: float | None = None,
              compiled: dict | None = None) -> Plan:
-    """GRPO's figures on every profile, in `plan.grpo`; a warning when a phase does not fit or the session is short.
-    `compiled`: XLA:TPU's figures for the selected profile (`grpo_xla.check`)."""
+    """GRPO's figures on every profile, in `plan.grpo`; a warning when a phase does not fit or the session is short,
+    a `PlanError` when a judge's layout cannot run on the selected profile. `compiled`: XLA:TPU's figures for the
+    selected profile (`grpo_xla.check`)."""
     if not grpo.enabled:
         return plan
-    rows = {r.profile: stage_row(plan, r, grpo, params, session_hours,
-                                 compiled if r.profile == plan.selected.profile else None) for r in plan.rows}
+    arches = judge.architectures(grpo, params)
+    rows = {r.profile: _profile(plan, r, grpo, params, session_hours,
+                                compiled if r.profile == plan.selected.profile else None, arches) for r in plan.rows}
     selected = rows[plan.selected.profile]
+    if arches and judge.refusal(selected, plan.selected.profile):  # fails the plan, saying what would run
+        raise judge.refusal(selected, plan.selected.profile)
     plan.grpo = {
         "loss_variant": grpo.loss_variant,
         "reference": "none" if not grpo.beta else "adapters" if plan.job.mode != "full" else "model",
@@ -229,6 +211,18 @@ def add_grpo(plan: Plan, grpo: GrpoParams, params: PlanParams, session_hours: fl
     return plan
 
 
+def _profile(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, session_hours: float | None,
+             compiled: dict | None, arches: dict) -> dict:
+    """GRPO on one profile, with its judges (`arches`: their architectures) where it has some."""
+    if not arches:
+        return stage_row(plan, row, grpo, params, session_hours, compiled)
+    policy, problem = judge.policy_row(plan, row, grpo, params)
+    terms = judge.terms(plan, row, policy, grpo, params, arches, (compiled or {}).get("judges"), problem)
+    out = stage_row(plan, policy, grpo, params, session_hours, compiled, terms)
+    out["fits"] = out["fits"] and judge.refusal(out, row.profile) is None
+    return out
+
+
 def _time(seconds: float | None) -> str:
     return "—" if seconds is None else f"{seconds:.3g}"
 
@@ -253,6 +247,8 @@ def markdown_section(plan: Plan) -> list[str]:
         f"{s['update_from']} | {_time(s['update_seconds'])} s |",
         "",
     ]
+    if "judge" in s:
+        lines += judge.markdown_lines(s)
     if s["hours"] is not None:
         hw = plan.selected.hw
         lines += [f"{g['steps']} steps ({s['rollout_batches']} batches of rollouts), {s['samples_per_hour']:,.0f} "
@@ -279,20 +275,6 @@ def markdown_section(plan: Plan) -> list[str]:
                      f"{'yes' if r['fits'] else 'no'} | {_time(r['step_seconds'])} | {per_hour} | "
                      f"{_time(r['hours'])} | {cost} |")
     return lines
-
-
-def decode_line(d: dict) -> str:
-    """The decode step's roofline, where its figures come from, and the fraction of it the plan assumes."""
-    where = "XLA:TPU's cost analysis of the compiled step" if d["from"] == "XLA:TPU" else "the estimate"
-    text = (f"A decode step's roofline per device: {d['flops'] / 1e9:,.3g} GFLOP and {d['bytes'] / 1e9:,.3g} GB from "
-            f"{where}")
-    if d["roofline_seconds"] is None:
-        return text + ": no time (the profile has no hbm_gb_per_s)."
-    text += f", {d['roofline_seconds'] * 1e3:.3g} ms ({d['bound']}-bound)"
-    if d["seconds"] is None:
-        return text + "; no time: the profile has no decode_roofline_fraction."
-    return (text + f"; planned {d['seconds'] * 1e3:.3g} ms at {d['roofline_fraction']:g} of it "
-            f"({d['source'] or 'no decode_source'}).")
 
 
 def xla_lines(x: dict) -> list[str]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 import time
 
-from tunix_pipeline.config import GrpoParams
+from tunix_pipeline.config import GrpoParams, JudgeParams
 from tunix_pipeline.planning.architecture import Architecture
 from tunix_pipeline.planning.memory import GIB, TrainSetup, estimate_memory
 from tunix_pipeline.planning.xla import abstract, abstract_policy, measure
@@ -122,6 +122,54 @@ def compile_update_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
         return measure(lowered, started, layers, devices[0].platform)
 
 
+def compile_judge_call(arch: Architecture, setup: TrainSetup, judge: JudgeParams, layers: int, devices) -> dict:
+    """A judge's scoring call: its forward over batch_size rubrics of max_prompt_length tokens on its devices (no
+    cache), the last position's logits only, bytes, FLOPs and bytes accessed per chip."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    started = time.perf_counter()
+    mesh, model, _, _ = abstract_policy(arch, setup, layers, None, devices)
+    graph, state = nnx.split(model)
+    seqs, length = judge.batch_size, judge.max_prompt_length
+
+    def score(state, tokens, positions, mask):
+        judge_model = nnx.merge(graph, state)
+        if not hasattr(judge_model, "embedder"):  # no separate head to apply: the whole logits, sliced
+            logits, _ = judge_model(tokens, positions=positions, cache=None, attention_mask=mask)
+            return logits[:, -1].astype(jnp.float32)
+        # the final hidden states (Tunix sows them), the head on the last position only; the whole logits are dead
+        # code XLA drops (slicing them instead keeps batch x length x vocabulary: 2.7x the 4B judge's memory)
+        judge_model(tokens, positions=positions, cache=None, attention_mask=mask, output_hidden_states=True)
+        (hidden,) = nnx.state(judge_model, nnx.Intermediate)["all_hidden_states"].value
+        return judge_model.embedder.decode(hidden[:, -1]).astype(jnp.float32)
+
+    with accelerator_sharding(), mesh:
+        lowered = jax.jit(score).lower(
+            abstract(state, mesh), _rows(mesh, seqs, (seqs, length), jnp.int32),
+            _rows(mesh, seqs, (seqs, length), jnp.int32), _rows(mesh, seqs, (seqs, length, length), jnp.bool_),
+        )
+        return measure(lowered, started, layers, devices[0].platform)
+
+
+def check_judges(plan, policy, grpo: GrpoParams, arches: dict, devices, max_layers: int | None) -> dict:
+    """Each judge's scoring call compiled for the topology: on the last `judge.devices` chips, or time-shared on
+    the policy's (`policy`: its row); the estimate of that program beside it."""
+    from tunix_pipeline.planning import judge as judge_lib
+
+    n, out = judge_lib.sub_mesh(grpo), {}
+    for name, j in judge_lib.judge_rewards(grpo):
+        arch = arches[name]
+        setup = judge_lib.judge_setup(j, policy.setup, n if j.devices else None)
+        chips = devices[-n:] if j.devices else devices[: policy.hw.devices]
+        b = judge_lib.scoring_bytes(arch, j, setup)
+        estimate = b["weights"] + b["working"] - b["kv_cache"]  # the compiled call is the prefill, without a cache
+        out[name] = _compiled(lambda layers: compile_judge_call(arch, setup, j, layers, chips), arch, max_layers,
+                              layer_period(arch, j.max_prompt_length), estimate)
+    return out
+
+
 def layer_period(arch: Architecture, length: int) -> int:
     """Layers after which the program repeats: 1 when every sliding window spans the whole sequence (Gemma 2 and
     3's local layers then compute what the global ones do, masked alike), else the model's own period."""
@@ -157,10 +205,11 @@ def estimates(arch: Architecture, setup: TrainSetup, roll: TrainSetup | None = N
             "update": estimate_memory(arch, setup.replace(grad_accum=1)).peak}
 
 
-def check(plan, model, grpo: GrpoParams, max_layers: int | None = 4) -> dict | None:
-    """Both GRPO programs of the selected profile compiled by XLA:TPU for its topology (or the attached TPU);
-    None when neither libtpu nor a TPU is at hand. A program that does not compile is reported as such."""
-    from tunix_pipeline.planning import xla
+def check(plan, model, grpo: GrpoParams, max_layers: int | None = 4, params=None) -> dict | None:
+    """Both GRPO programs of the selected profile compiled by XLA:TPU for its topology (or the attached TPU), and
+    each judge's scoring call (`params`: the PlanParams that find the judges and resize the policy's mesh); None
+    when neither libtpu nor a TPU is at hand. A program that does not compile is reported as such."""
+    from tunix_pipeline.planning import judge, xla
     from tunix_pipeline.planning.grpo import rollout_setup, update_setup
 
     try:
@@ -170,30 +219,41 @@ def check(plan, model, grpo: GrpoParams, max_layers: int | None = 4) -> dict | N
     if target is None:
         return None
     name, devices = target
-    arch = plan.job.arch
-    setup = update_setup(plan.selected, grpo)
-    estimate = estimates(arch, setup, rollout_setup(plan.selected, grpo))
+    arch, policy = plan.job.arch, plan.selected
+    arches = judge.architectures(grpo, params) if params is not None else {}
+    if arches:  # with a judge on its own chips, the policy's programs are compiled on the others
+        policy, problem = judge.policy_row(plan, plan.selected, grpo, params)
+        if problem:
+            return {"error": problem, "topology": name}
+    setup = update_setup(policy, grpo)
+    estimate = estimates(arch, setup, rollout_setup(policy, grpo))
     out = {"topology": name, "mesh": setup.mesh, "dtype": setup.param_dtype}
     for phase, compile_fn in (("generation", compile_decode_step), ("update", compile_update_step)):
-        try:
-            r = whole_model(lambda layers: compile_fn(arch, setup, grpo, layers, model.lora, devices), arch, max_layers,
-                            layer_period(arch, setup.seq_len))
-        except Exception as err:  # noqa: BLE001 - a sharding error, an unsupported op: the program itself fails
-            message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            needed = re.search(r"Ran out of memory.*?\(([\d.]+)G\) exceeds", message)
-            out[phase] = ({"error": message, "out_of_memory": True, "xla_gib": float(needed.group(1)),
-                           "method": "refused by XLA:TPU", "seconds": 0.0, "flops_per_device": None,
-                           "bytes_accessed_per_device": None,
-                           "estimate_gib": estimate[phase] / GIB, "difference": None} if needed
-                          else {"error": f"{type(err).__name__}: {message}", "does_not_compile": True})
-            continue
-        out[phase] = {
-            "method": r["method"],
-            "seconds": r["seconds"],
-            "xla_gib": r["peak"] / GIB,
-            "flops_per_device": r["flops"],
-            "bytes_accessed_per_device": r["bytes_accessed"],
-            "estimate_gib": estimate[phase] / GIB,
-            "difference": (estimate[phase] - r["peak"]) / r["peak"],
-        }
+        out[phase] = _compiled(lambda layers: compile_fn(arch, setup, grpo, layers, model.lora, devices), arch,
+                               max_layers, layer_period(arch, setup.seq_len), estimate[phase])
+    if arches:
+        out["judges"] = check_judges(plan, policy, grpo, arches, devices, max_layers)
     return out
+
+
+def _compiled(compile_at, arch: Architecture, max_layers: int | None, period: int, estimate: float) -> dict:
+    """One program compiled for the whole model (`whole_model`), beside `estimate` (bytes per chip); a program
+    XLA:TPU refuses for memory, or that does not compile, is reported as such."""
+    try:
+        r = whole_model(compile_at, arch, max_layers, period)
+    except Exception as err:  # noqa: BLE001 - a sharding error, an unsupported op: the program itself fails
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        needed = re.search(r"Ran out of memory.*?\(([\d.]+)G\) exceeds", message)
+        return ({"error": message, "out_of_memory": True, "xla_gib": float(needed.group(1)),
+                 "method": "refused by XLA:TPU", "seconds": 0.0, "flops_per_device": None,
+                 "bytes_accessed_per_device": None, "estimate_gib": estimate / GIB, "difference": None} if needed
+                else {"error": f"{type(err).__name__}: {message}", "does_not_compile": True})
+    return {
+        "method": r["method"],
+        "seconds": r["seconds"],
+        "xla_gib": r["peak"] / GIB,
+        "flops_per_device": r["flops"],
+        "bytes_accessed_per_device": r["bytes_accessed"],
+        "estimate_gib": estimate / GIB,
+        "difference": (estimate - r["peak"]) / r["peak"],
+    }

@@ -170,6 +170,13 @@ def estimate_memory(arch: Architecture, setup: TrainSetup) -> MemoryEstimate:
     )
 
 
+def forward_layer_bytes(arch: Architecture, setup: TrainSetup) -> float:
+    """Per device: one layer's activations at `setup`'s batch and length, what a forward pass without a
+    backward (a judge's scoring call) holds at a time; the same count as a layer saves for its backward."""
+    kept = _kept_on_cpu if setup.backend == "cpu" else _kept_on_accelerator
+    return kept(arch, setup, setup.c_bytes)[2]
+
+
 def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float) -> tuple[float, float, float]:
     """(saved for the backward pass by every layer, the loss's buffers, one layer's backward), bytes
     per device, as XLA:TPU keeps them (its buffer assignment for Gemma-2B, Qwen2.5-0.5B and the 7M
