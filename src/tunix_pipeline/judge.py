@@ -85,7 +85,8 @@ def read_number(reply: str, score_range: tuple[float, float]) -> float | None:
 
 def meshes(runtime: RuntimeParams, rewards: list[RewardParams]):
     """(the policy's mesh, the judges' sub-mesh or None): with `judge.devices: N` the judges take the last N
-    devices (all on fsdp) and the policy the rest, keeping `runtime.mesh`'s tp and giving fsdp what remains;
+    devices (all on fsdp) and the policy the rest, keeping `runtime.mesh`'s tp where it divides them (else 1) and
+    giving fsdp what remains;
     without, both use all of them."""
     import jax
 
@@ -101,9 +102,10 @@ def meshes(runtime: RuntimeParams, rewards: list[RewardParams]):
         raise JudgeError(f"judge.devices={n} leaves the policy none of the {len(devices)} devices; "
                          f"use fewer (at most {len(devices) - 1}), or null to share them")
     tp = 1 if runtime.mesh == "auto" else runtime.mesh.get("tp", 1)
-    if (len(devices) - n) % tp:
-        raise JudgeError(f"judge.devices={n} leaves the policy {len(devices) - n} devices, which runtime.mesh's "
-                         f"tp={tp} does not divide; give the judge a number of devices that leaves a multiple of {tp}")
+    if (len(devices) - n) % tp:  # as the plan sizes it
+        log.warning("judge.devices=%d leaves the policy %d devices, which runtime.mesh's tp=%d does not divide: "
+                    "the policy runs with tp=1", n, len(devices) - n, tp)
+        tp = 1
     policy = RuntimeParams(mesh={"fsdp": (len(devices) - n) // tp, "tp": tp})
     return make_mesh(policy, devices[:-n]), make_mesh(RuntimeParams(mesh="auto"), devices[-n:])
 
