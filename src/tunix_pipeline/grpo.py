@@ -124,8 +124,9 @@ def train_grpo(
     cluster_config = _cluster_config(params, mesh, root, checkpoints.logger_options(root, metrics_backends), rollout)
     # the reference is the SFT policy as it is now, before any GRPO checkpoint is restored into the actor
     reference = frozen_copy(model) if algo_config.beta else None
-    # `with mesh:` and not `jax.set_mesh`: under the latter Tunix's optimizer sharding step fails
-    with upstream.scalar_listeners_scope(), mesh:
+    # `with mesh:` and not `jax.set_mesh`: under the latter Tunix's optimizer sharding step fails;
+    # log-probs make logits at the completion's positions only, not the prompt's
+    with upstream.scalar_listeners_scope(), upstream.completion_logits_only(), mesh:
         cluster = rl_cluster_lib.RLCluster(actor=model, reference=reference, tokenizer=tokenizer,
                                            cluster_config=cluster_config)
         start_step = cluster.actor_trainer.train_steps

@@ -197,6 +197,46 @@ def dapo_config(epsilon_high: float, **common):
     return config
 
 
+# ---------------------------------------------------------------- GRPO: log-probs run the output layer at every prompt position
+class LastPositions(nnx.Module):
+    """A final norm over the last `n` positions only: what follows it in our models is per position."""
+
+    def __init__(self, norm, n: int):
+        self.norm, self.n = norm, n
+
+    def __call__(self, x):
+        return self.norm(x[:, -self.n:])
+
+
+@contextlib.contextmanager
+def completion_logits_only():
+    """Within this block, Tunix's `compute_per_token_logps` (GRPO's loss, reference and old-policy log-probs) runs
+    the output layer only at the positions whose logits it keeps (the completion's and the last prompt token's):
+    same log-probs and gradients, no (batch, prompt, vocabulary) logits. Exact for Tunix's Gemma, Gemma 3, Llama 3
+    and Qwen 2/3 (ours subclass them), whose `__call__` ends `final_norm`, then per-position steps only (output
+    layer, softcap, cast); other models take Tunix's path."""
+    import importlib
+
+    from tunix.rl import common
+
+    classes = {"gemma": "Gemma", "gemma3": "Gemma3", "llama3": "Llama3", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    models = tuple(getattr(importlib.import_module(f"tunix.models.{m}.model"), c) for m, c in classes.items())
+    original = common.compute_per_token_logps
+
+    def compute_per_token_logps(graphdef, state, prompt_tokens, completion_tokens, *args, **kwargs):
+        model = nnx.merge(graphdef, state)  # a copy: the caller's model keeps its norm
+        if isinstance(model, models):  # a packed row is shorter than the slice, and kept whole
+            model.final_norm = LastPositions(model.final_norm, completion_tokens.shape[1] + 1)
+            graphdef, state = nnx.split(model)
+        return original(graphdef, state, prompt_tokens, completion_tokens, *args, **kwargs)
+
+    common.compute_per_token_logps = compute_per_token_logps
+    try:
+        yield
+    finally:
+        common.compute_per_token_logps = original
+
+
 # ---------------------------------------------------------------- Tunix's models drop their sharding constraints on a CPU host
 SHARD_MODULES = (
     "tunix.models.gemma.model",
