@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 from pydantic import ValidationError
 
-from tunix_pipeline import evaluation, generation, upstream
+from tunix_pipeline import evaluation, generation, sampling, upstream
 from tunix_pipeline.config import EvaluateParams, ModelParams, RuntimeParams
 from tunix_pipeline.evaluation import answers_match, exact_match, majority_answer, markdown_table, pass_at_k, score
 
@@ -309,7 +309,7 @@ def test_inverse_cdf_sampling_draws_from_the_softmax():
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.standard_normal((2, 1000)) * 2, jnp.float32).at[:, 7].set(-jnp.inf)
     keys = jax.random.split(jax.random.PRNGKey(0), 40_000)
-    draws = np.asarray(jax.jit(jax.vmap(lambda k: upstream.sample_inverse_cdf(k, logits, blocks=16)))(keys))
+    draws = np.asarray(jax.jit(jax.vmap(lambda k: sampling.sample_inverse_cdf(k, logits, blocks=16)))(keys))
     reference = np.asarray(jax.jit(jax.vmap(lambda k: jax.random.categorical(k, logits)))(keys))
     expected = np.asarray(jax.nn.softmax(logits))
     for row in range(2):
@@ -318,7 +318,7 @@ def test_inverse_cdf_sampling_draws_from_the_softmax():
         assert tv[0] < 1.3 * tv[1] + 0.005, tv
         assert not (draws[:, row] == 7).any()
     key = jax.random.PRNGKey(1)
-    assert (upstream.sample_inverse_cdf(key, logits) == upstream.sample_inverse_cdf(key, logits)).all()
+    assert (sampling.sample_inverse_cdf(key, logits) == sampling.sample_inverse_cdf(key, logits)).all()
 
 
 def test_evaluator_skips_and_counts_prompts_that_do_not_fit(tiny, tokenizer):

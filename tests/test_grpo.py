@@ -149,8 +149,8 @@ def test_grpo_full_weights_trains_checkpoints_and_resumes(tiny_model_dir, tokeni
     start = _weights(model)
     params = _params(tmp_path)
     batches = []  # what the rollout's sampler was asked: (completions, group size, made of groups?)
-    in_groups = upstream.in_groups
-    monkeypatch.setattr(upstream, "in_groups", lambda t, g: batches.append((len(t), g, in_groups(t, g))) or batches[-1][2])
+    in_groups = upstream.generation.in_groups
+    monkeypatch.setattr(upstream.generation, "in_groups", lambda t, g: batches.append((len(t), g, in_groups(t, g))) or batches[-1][2])
     result = grpo.train_grpo(model, tokenizer, formatted, params, mesh)
     # each step's G completions of a prompt arrive as G copies in a row: one prefill per prompt
     assert batches == [(params.batch_size * params.num_generations, params.num_generations, True)] * 2

@@ -115,8 +115,7 @@ def train_grpo(
     metrics_backends: list | None = None,
     judge_mesh: jax.sharding.Mesh | None = None,
 ) -> dict:
-    """GRPO on `model` in place (full weights, or its LoRA adapters); resumes from `params.checkpoint_dir`.
-    Judge rewards score on `judge_mesh` (their own devices), else on `mesh`, time-shared with the policy."""
+    """GRPO on `model` in place (full weights or LoRA adapters), judges on `judge_mesh`, else `mesh`; resumes."""
     from tunix.rl import rl_cluster as rl_cluster_lib
 
     rewards = RewardSet(params.rewards, judge_mesh or mesh)
@@ -127,8 +126,9 @@ def train_grpo(
     cluster_config = _cluster_config(params, mesh, root, checkpoints.logger_options(root, metrics_backends), rollout)
     # the reference is the SFT policy as it is now, before any GRPO checkpoint is restored into the actor
     reference = frozen_copy(model) if algo_config.beta else None
-    # `with mesh:` and not `jax.set_mesh`: under the latter Tunix's optimizer sharding step fails
-    with upstream.scalar_listeners_scope(), mesh:
+    # `with mesh:` and not `jax.set_mesh`: under the latter Tunix's optimizer sharding step fails;
+    # log-probs make logits at the completion's positions only, not the prompt's
+    with upstream.scalar_listeners_scope(), upstream.completion_logits_only(), mesh:
         cluster = rl_cluster_lib.RLCluster(actor=model, reference=reference, tokenizer=tokenizer,
                                            cluster_config=cluster_config)
         start_step = cluster.actor_trainer.train_steps

@@ -2,26 +2,24 @@
 `docs/upstream_tunix.md` (what the library does, what we do instead, when this code can go).
 
 Fixes to a model's maths live with the model, in `models/families/`; everything that swaps, wraps or reads
-Tunix's, JAX's or Kedro's internals at run time lives here, so an upgrade is checked in one file.
+Tunix's, JAX's or Kedro's internals at run time lives in this package, so an upgrade is checked in one place:
+here, and the sampler's prefill and token choice in `upstream/generation.py` (re-exported here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
 import shutil
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tunix.generate import sampler as sampler_lib
-from tunix.generate import utils as sampler_utils
 
 from tunix_pipeline.runtime import shard_rows, step_compiler_options
+from tunix_pipeline.upstream.generation import Sampler, grouped_rollout, in_groups  # noqa: F401
 
 REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
@@ -123,8 +121,6 @@ def preference_trainer_class():
 def log_aux_metrics(trainer, names) -> None:
     """The DPO trainer logs the aux metrics named in its private `_aux_metrics_to_log` (set for its own losses);
     ours (SimPO, RPO, ORPO on means) return theirs through the loss hook."""
-    import numpy as np
-
     trainer._aux_metrics_to_log = {name: np.mean for name in names}
 
 
@@ -196,6 +192,46 @@ def dapo_config(epsilon_high: float, **common):
     return config
 
 
+# ---------------------------------------------------------------- GRPO: log-probs run the output layer at every prompt position
+class LastPositions(nnx.Module):
+    """A final norm over the last `n` positions only: what follows it in our models is per position."""
+
+    def __init__(self, norm, n: int):
+        self.norm, self.n = norm, n
+
+    def __call__(self, x):
+        return self.norm(x[:, -self.n:])
+
+
+@contextlib.contextmanager
+def completion_logits_only():
+    """Within this block, Tunix's `compute_per_token_logps` (GRPO's loss, reference and old-policy log-probs) runs
+    the output layer only at the positions whose logits it keeps (the completion's and the last prompt token's):
+    same log-probs and gradients, no (batch, prompt, vocabulary) logits. Exact for Tunix's Gemma, Gemma 3, Llama 3
+    and Qwen 2/3 (ours subclass them), whose `__call__` ends `final_norm`, then per-position steps only (output
+    layer, softcap, cast); other models take Tunix's path."""
+    import importlib
+
+    from tunix.rl import common
+
+    classes = {"gemma": "Gemma", "gemma3": "Gemma3", "llama3": "Llama3", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    models = tuple(getattr(importlib.import_module(f"tunix.models.{m}.model"), c) for m, c in classes.items())
+    original = common.compute_per_token_logps
+
+    def compute_per_token_logps(graphdef, state, prompt_tokens, completion_tokens, *args, **kwargs):
+        model = nnx.merge(graphdef, state)  # a copy: the caller's model keeps its norm
+        if isinstance(model, models):  # a packed row is shorter than the slice, and kept whole
+            model.final_norm = LastPositions(model.final_norm, completion_tokens.shape[1] + 1)
+            graphdef, state = nnx.split(model)
+        return original(graphdef, state, prompt_tokens, completion_tokens, *args, **kwargs)
+
+    common.compute_per_token_logps = compute_per_token_logps
+    try:
+        yield
+    finally:
+        common.compute_per_token_logps = original
+
+
 # ---------------------------------------------------------------- Tunix's models drop their sharding constraints on a CPU host
 SHARD_MODULES = (
     "tunix.models.gemma.model",
@@ -212,7 +248,6 @@ def accelerator_sharding():
     compiles for a TPU topology from a CPU host, and the TPU program must carry the constraints)."""
     import importlib
 
-    import jax
     from jax.interpreters import pxla
 
     def shard(x, spec):
@@ -267,154 +302,3 @@ def atomic_saves(dataset) -> None:
 
 def _remove(path: Path) -> None:
     shutil.rmtree(path) if path.is_dir() else path.unlink()
-
-
-# ---------------------------------------------------------------- generation: the sampler's prefill and token choice
-class Sampler(sampler_lib.Sampler):
-    """Tunix's KV-cache `Sampler` (its decode loop: on device, stops when every row has ended) with our prefill:
-
-    - the output layer runs at each prompt's last position only: the prompt but its last token goes into the
-      KV cache and the last token is a decode step, so the prefill holds (batch, vocabulary) logits, not
-      (batch, prompt, vocabulary): 8.6 GB in float32 for 8 prompts of 1,024 tokens over Gemma's 262k words;
-    - `group_size` consecutive copies of one prompt (GRPO's G completions, pairs' and evaluation's k samples)
-      are prefilled once and their cache copied to the group, when the batch is made of such groups.
-
-    `next_token_logprobs` runs that prefill alone and reads chosen words' log-probabilities (a judge's labels).
-    Prompts may also be token ids (lists), used as they are. The sampler reads the model's variables at each call,
-    so a checkpoint restored into the same model afterwards is what the next call generates with.
-    Text only: images, echo and beam search take Tunix's own prefill.
-    """
-
-    def __init__(self, transformer, tokenizer, cache_config, group_size: int = 1):
-        super().__init__(transformer=transformer, tokenizer=tokenizer, cache_config=cache_config)
-        self.group_size = group_size
-        jit = functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("echo",))
-        self._prefills = {g: jit(functools.partial(self._last_token_prefill, group=g)) for g in {1, group_size}}
-        self._label_logprobs = jax.jit(self._next_token_logprobs)
-
-    @classmethod
-    def for_model(cls, model, tokenizer, cache_size: int, group_size: int = 1) -> Sampler:
-        """Over `model`, with a KV cache of `cache_size` positions (prompt + new tokens)."""
-        cfg = model.config
-        return cls(model, tokenizer, sampler_lib.CacheConfig(cache_size=cache_size, num_layers=cfg.num_layers,
-                                                             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim),
-                   group_size=group_size)
-
-    def tokenize(self, prompt):
-        return super().tokenize(prompt) if isinstance(prompt, str) else np.asarray(prompt, dtype=np.int32)
-
-    def __call__(self, input_strings, *args, **kwargs):
-        tokens = [self.tokenize(x) for x in ([input_strings] if isinstance(input_strings, str) else input_strings)]
-        self._compiled_prefill_fn = self._prefills[self.group_size if in_groups(tokens, self.group_size) else 1]
-        return super().__call__(tokens, *args, **kwargs)
-
-    def next_token_logprobs(self, prompts, prompt_length: int, token_ids) -> np.ndarray:
-        """(prompts, len(`token_ids`)) log-probabilities of `token_ids` as each prompt's next token: the prefill
-        alone, no decoding (a judge's label words). Prompts (text or token ids) are left-padded to `prompt_length`,
-        which they must fit: one compile per length."""
-        tokens = [self.tokenize(x) for x in prompts]
-        padded = np.array([sampler_utils.pad_to_length(t, target_length=prompt_length, pad_value=self.tokenizer.pad_id(),
-                                                       left=True) for t in tokens])
-        state = self.init_sample_state(jnp.asarray(padded), total_sampling_steps=prompt_length + 1, include_logits=False,
-                                       forbidden_token_ids=None, temperature=0.0, top_p=None, top_k=None,
-                                       seed=jax.random.PRNGKey(0), beam_size=None)
-        return np.asarray(self._label_logprobs(self._flattened_transformer_state, state, jnp.asarray(token_ids)))
-
-    def _next_token_logprobs(self, params, sampler_state, token_ids):
-        logits, _ = self._prefill_logits(params, sampler_state, group=1)
-        return jnp.take(jax.nn.log_softmax(logits[:, -1].astype(jnp.float32), axis=-1), token_ids, axis=-1)
-
-    def _prefill_logits(self, params, sampler_state, group: int):
-        """(the last prompt position's logits, one row per group of `group` copies; the cache holding each group's
-        prompt): the prompt but its last token fills the cache, the last token is a decode step."""
-        batch = sampler_state.token_buffer.shape[0]
-        length = int(np.asarray(sampler_state.num_input_tokens))  # static: the padded prompt length
-
-        def firsts(x):  # one row per group
-            return x[::group] if getattr(x, "ndim", 0) and x.shape[0] == batch else x
-
-        tokens = sampler_state.token_buffer[::group, :length]
-        positions = sampler_state.positions[::group, :length]
-        mask = sampler_utils.make_causal_attn_mask(tokens != self.tokenizer.pad_id(), self.cache_config.cache_size)
-        model = nnx.merge(self._transformer_graphdef, params)
-        cache = jax.tree.map(firsts, sampler_state.cache)
-        if length > 1:
-            _, cache = model(tokens[:, :-1], positions[:, :-1], cache, mask[:, :-1])
-        return model(tokens[:, -1:], positions[:, -1:], cache, mask[:, -1:])
-
-    def _last_token_prefill(self, params, sampler_state, images=None, echo: bool = False, *, group: int):
-        if images is not None or echo or sampler_state.sampling_mode == "beam_search":
-            return self._prefill_fn(params, sampler_state, images, echo)
-        length = int(np.asarray(sampler_state.num_input_tokens))
-        logits, cache = self._prefill_logits(params, sampler_state, group)
-        if group > 1:
-            logits = jnp.repeat(logits, group, axis=0)
-            cache = jax.tree.map(lambda x: jnp.repeat(x, group, axis=0) if getattr(x, "ndim", 0) else x, cache)
-        logits_buffer = sampler_state.logits_buffer
-        if logits_buffer is not None:
-            logits_buffer = jax.lax.dynamic_update_slice(logits_buffer, logits.astype(logits_buffer.dtype), (0, length, 0))
-        state = dataclasses.replace(sampler_state, cache=cache, logits_buffer=logits_buffer)
-        return self._sample(logits=logits, cache=cache, eos=self.eos_ids, sampler_state=state)
-
-    def _sample(self, logits, eos, cache, sampler_state):
-        """Tunix's token choice and bookkeeping, with cheaper exact choices over the whole vocabulary: greedy by
-        `top_k(1)` (XLA:CPU's argmax over 262k words is ~5x slower) and plain temperature sampling by the inverse
-        CDF (`sample_inverse_cdf`); top-k, top-p < 1 and beam search take Tunix's."""
-        mode, settings = sampler_state.sampling_mode, sampler_state.sampling_parameters
-        if not (mode == "greedy" or (mode == "top_p" and settings["top_p"] >= 1.0 and not settings["top_k"])):
-            return super()._sample(logits=logits, eos=eos, cache=cache, sampler_state=sampler_state)
-        step = sampler_state.decoding_step
-        last = logits[:, -1].astype(jnp.float32)
-        if sampler_state.forbidden_token_ids:
-            last = last.at[:, sampler_state.forbidden_token_ids].set(-jnp.inf)
-        if mode == "greedy":
-            token = jax.lax.top_k(last, 1)[1][:, 0]
-        else:
-            last = last / sampler_state.temperature
-            token = sample_inverse_cdf(jax.random.fold_in(sampler_state.seed, step), last)
-        logprobs = sampler_state.logprobs_buffer
-        if logprobs is not None:
-            chosen = jnp.take_along_axis(jax.nn.log_softmax(last, axis=-1), token[:, None], axis=-1)[:, 0]
-            logprobs = logprobs.at[:, step + 1].set(chosen)
-        return dataclasses.replace(
-            sampler_state, decoding_step=step + 1, token_buffer=sampler_state.token_buffer.at[:, step + 1].set(token),
-            logprobs_buffer=logprobs, cache=cache, done=sampler_state.done | jnp.isin(token, eos),
-        )
-
-
-def sample_inverse_cdf(key, logits, blocks: int = 512):
-    """One token per row drawn from softmax(`logits`) (rows, vocabulary), exactly, by the inverse CDF: one uniform
-    picks a block of the vocabulary by its probability mass, a second a word inside it. `jax.random.categorical`
-    draws a Gumbel variate per word instead: 65 ms a step for 8 rows of 262k words on a 2-core CPU, against 1.3."""
-    rows, vocab = logits.shape
-    logits = jnp.pad(logits, ((0, 0), (0, -vocab % blocks)), constant_values=-jnp.inf)
-    mass = jnp.exp(logits - logits.max(axis=-1, keepdims=True)).reshape(rows, blocks, -1)
-    u = jax.random.uniform(key, (2, rows))
-
-    def pick(weights, v):  # the first index whose running total passes v x the total
-        running = jnp.cumsum(weights, axis=-1)
-        return jnp.minimum(jnp.sum(running <= (v * running[:, -1])[:, None], axis=-1), weights.shape[-1] - 1)
-
-    block = pick(mass.sum(axis=-1), u[0])
-    inside = jnp.take_along_axis(mass, block[:, None, None], axis=1)[:, 0]
-    return block * inside.shape[-1] + pick(inside, u[1])
-
-
-def in_groups(tokens: list, group_size: int) -> bool:
-    """Is the batch made of runs of `group_size` identical prompts?"""
-    if group_size <= 1 or len(tokens) % group_size:
-        return False
-    return all(np.array_equal(tokens[i], tokens[i - i % group_size]) for i in range(len(tokens)))
-
-
-def grouped_rollout():
-    """Tunix's vanilla rollout over our `Sampler`, for `ClusterConfig.rollout_engine` (with `group_size` bound):
-    Tunix's GRPO learner asks for a prompt's G completions as G copies in a row, which `Sampler` prefills once."""
-    from tunix.rl.rollout import vanilla_rollout
-
-    class GroupedRollout(vanilla_rollout.VanillaRollout):
-        def __init__(self, rollout_actor, tokenizer, mesh, rollout_config, group_size: int):
-            del mesh  # the sampler runs where the actor's arrays are, as Tunix's vanilla rollout does
-            self._sampler = Sampler.for_model(rollout_actor, tokenizer, rollout_config.kv_cache_size, group_size)
-
-    return GroupedRollout
