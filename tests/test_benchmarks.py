@@ -163,3 +163,15 @@ def test_grpo_cpu_feeds_ours_and_trl_the_same_prompts(tiny_model_dir):
         assert r["generation_seconds"] > 0 and r["update_seconds"] > 0 and r["peak_rss_mb"] > 0
         assert 1 <= r["mean_completion_tokens"] <= 4
     assert ours["prompt_ids"] == trl["prompt_ids"] and ours["mean_prompt_tokens"] == trl["mean_prompt_tokens"]
+
+
+def test_judge_benchmarks_time_the_judge_and_rank_its_scores(tiny_model_dir):
+    from benchmarks import judge_cpu, judge_throughput
+
+    prompts = [f"<bos><start_of_turn>user\nWhat is {i} x 3?<end_of_turn>\n<start_of_turn>model\n" for i in range(3)]
+    completions = [f"<reasoning>{i} x 3</reasoning><answer>{3 * i}</answer>" for i in range(3)]
+    run = judge_throughput.measure(str(tiny_model_dir), "label", 2, "float32", prompts, completions, repeats=1)
+    assert run["rubrics"] == 3 and run["calls"] == 2 and run["malformed"] == 0
+    assert run["rubrics_per_sec"] > 0 and run["useful_tokens_per_sec"] > run["rubrics_per_sec"]
+    assert judge_cpu.auc([0.9, 0.8, 0.1], [True, True, False]) == 1.0
+    assert judge_cpu.auc([0.5, 0.5], [True, False]) == 0.5 and judge_cpu.auc([1.0], [True]) is None
