@@ -69,7 +69,9 @@ def test_number_replies_are_read_and_malformed_ones_counted(tiny_model_dir):
                             max_generation_steps=4, max_prompt_length=128).text
     readable = sum(judge_lib.read_number(r, (0, 10)) is not None for r in replies)
     assert scores.malformed >= 5 - readable - 1 and scores.label_mass is None
-    assert set(np.round(scores.values[np.isclose(scores.values, 0.25)], 6)) <= {0.25}
+    # every malformed reply scores exactly the malformed score; read ones lie in [0, 1]
+    assert np.count_nonzero(scores.values == 0.25) >= scores.malformed > 0
+    assert ((scores.values >= 0) & (scores.values <= 1)).all()
 
 
 def test_a_rubric_too_long_for_the_judge_scores_malformed(tiny_model_dir):

@@ -51,7 +51,7 @@ class JudgeScores:
 
 def question(prompt: str) -> str:
     """The user's text of a rendered prompt (Gemma's turns: its last user turn); other prompts as they are."""
-    head, marker, turn = prompt.rpartition("<start_of_turn>user\n")
+    _, marker, turn = prompt.rpartition("<start_of_turn>user\n")
     return turn.split(GEMMA_END_OF_TURN, 1)[0].strip() if marker else prompt.strip()
 
 
