@@ -7,10 +7,10 @@ The real Gemma 3 270M (the `gemma3-270m` extra), float32, is exported once by ou
 folder (transformers reads it) and to F32 and F16 GGUF files (llama.cpp reads them, through `llama-cpp-python`).
 Every engine gets the same prompt token ids (windows of the shipped GSM8K questions), decodes greedily and
 exactly `new_tokens` tokens (no end-of-sequence stop), at the same batch sizes, each in its own process on all
-cores. Per run: prefill and decode tokens per second, the compiles during the timed calls (ours), peak resident
-memory, and the decode step's roofline on this machine: the larger of its FLOPs over the measured matmul peak
-and its bytes (weights + the KV cache filled so far) over the measured memory bandwidth; `roofline_fraction` is
-that time over the measured step.
+cores. Per run: prefill and decode tokens per second, the compiles during the timed calls (ours), the output
+layer's own time and the operations XLA runs a decode step (ours), peak resident memory, and the decode step's
+roofline on this machine: the larger of its FLOPs over the measured matmul peak and its bytes (weights + the KV
+cache filled so far) over the measured memory bandwidth; `roofline_fraction` is that time over the measured step.
 
 `grouped` runs hold `batch` completions of one prompt (GRPO's group, pair building's k samples): ours prefills the
 prompt once and copies its cache, as llama.cpp does with `llama_memory_seq_cp`; `ungrouped` is ours prefilling
@@ -42,21 +42,28 @@ ENGINES = ("ours", "llama_cpp_f32", "llama_cpp_f16", "transformers")
 
 
 # ---------------------------------------------------------------- the machine's limits
+def best_seconds(fn, *args, repeats: int = 5) -> float:
+    """`fn(*args)`'s fastest of `repeats` timed calls, after one untimed."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
 def memory_bandwidth_gb_s(megabytes: int = 1024, repeats: int = 5) -> dict:
     """The default JAX device's copy (bytes read + written) and read (a sum) rates over an array far larger than
     any cache, best of runs; on the CPU also numpy's, the larger counting."""
+    import functools
+
     import jax
     import jax.numpy as jnp
 
-    def best(fn, *args) -> float:
-        jax.block_until_ready(fn(*args))
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - started)
-        return min(times)
-
+    best = functools.partial(best_seconds, repeats=repeats)
     a = jnp.ones(megabytes * 2**20 // 4, jnp.float32)
     copy = 2 * a.nbytes / best(jax.jit(lambda x: x * 2), a) / 1e9
     read = a.nbytes / best(jax.jit(jnp.sum), a) / 1e9
@@ -145,8 +152,14 @@ def run_ours(prep: dict, rows: list[list[int]], new: int, group: int, repeats: i
             return out
         return call
 
+    decode_fn, decode_args = sampler._compiled_decode_fn, []
+
+    def kept(*args):
+        decode_args[:] = args
+        return decode_fn(*args)
+
     sampler._prefills = {g: timed("prefill", f) for g, f in sampler._prefills.items()}
-    sampler._compiled_decode_fn = timed("decode", sampler._compiled_decode_fn)
+    sampler._compiled_decode_fn = timed("decode", kept)
     compiles = common.CompileTimer()
 
     def generate():
@@ -165,7 +178,33 @@ def run_ours(prep: dict, rows: list[list[int]], new: int, group: int, repeats: i
             "decode_seconds": float(np.median(timings["decode"][-repeats:])), "decode_steps": new - 1,
             "compiles_second_call": settled - before,
             "first_call_seconds": first_call, "compiles_first_call": before, "compiles_timed": compiles.compiles - settled,
-            "first_tokens": [int(t) for t in out.tokens[0][:8]], **device_peak()}
+            "first_tokens": [int(t) for t in out.tokens[0][:8]], **device_peak(),
+            **decode_breakdown(model, decode_fn, decode_args, len(rows))}
+
+
+def decode_breakdown(model, decode_fn, args, batch: int) -> dict:
+    """Where a decode step's time goes: the model's output layer alone at this batch (milliseconds, best of 10),
+    and the operations XLA runs each step (the decode loop's body less free ones: tuples, bitcasts, parameters,
+    constants), each a kernel launch on XLA:CPU."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    hlo = decode_fn.lower(*args).compile().as_text()
+    body = re.search(r"body=%([\w.\-]+)", hlo).group(1)
+    start = hlo.index(f"%{body} ")
+    free = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant")
+    ops = [m.group(1) for m in re.finditer(r"\n\s*(?:ROOT )?%\S+ = [^\n]*? ([a-z][\w-]*)\(", hlo[start:hlo.index("\n}", start)])]
+    out = {"ops_per_decode_step": sum(op not in free for op in ops)}
+    width = getattr(model.config, "embed_dim", None)
+    if width and hasattr(getattr(model, "embedder", None), "decode"):  # Gemma's tied output layer
+        graph, state = nnx.split(model.embedder)
+        head = jax.jit(lambda state, x: nnx.merge(graph, state).decode(x))
+        x = jnp.ones((batch, 1, width), jax.tree.leaves(state)[0].dtype)
+        out["output_layer_ms"] = best_seconds(head, state, x, repeats=10) * 1e3
+    return out
 
 
 def device_peak() -> dict:
@@ -300,7 +339,8 @@ def summarise(engine: str, case: dict, new: int, out: dict, prep: dict, limits: 
             "prefill_seconds": out["prefill_seconds"], "prefilled_tokens": prefilled,
             "decode_step_ms": step * 1e3, "roofline_step_ms": roofline * 1e3, "roofline_fraction": roofline / step,
             **{k: out[k] for k in ("peak_rss_mb", "peak_device_mb", "first_call_seconds", "compiles_first_call",
-                                   "compiles_second_call", "compiles_timed", "first_tokens") if k in out}}
+                                   "compiles_second_call", "compiles_timed", "first_tokens", "output_layer_ms",
+                                   "ops_per_decode_step") if k in out}}
 
 
 def ratios(runs: list[dict]) -> list[dict]:

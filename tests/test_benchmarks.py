@@ -126,6 +126,8 @@ def test_generation_benchmark_times_ours_and_transformers_on_the_same_ids(tiny_m
     for key in runs:
         assert runs[key]["first_tokens"] == runs[("transformers", *key[1:])]["first_tokens"]
     assert all(runs[k]["compiles_timed"] == 0 for k in runs if k[0].startswith("ours"))
+    for key in [k for k in runs if k[0].startswith("ours")]:  # the step's parts: its output layer, XLA's operations
+        assert 0 < runs[key]["output_layer_ms"] < runs[key]["decode_step_ms"] and runs[key]["ops_per_decode_step"] > 10
     assert runs[("ours", 2, True)]["prefilled_tokens"] == 16 and runs[("ours_ungrouped", 2, True)]["prefilled_tokens"] == 32
     assert {"vs_transformers", "vs_ours_ungrouped"} <= set(result["ratios"][-1])
 
@@ -162,6 +164,7 @@ def test_grpo_cpu_feeds_ours_and_trl_the_same_prompts(tiny_model_dir):
         assert r["steps_timed"] == 1 and r["steps_trained"] == 2 and r["completions_per_hour"] > 0
         assert r["generation_seconds"] > 0 and r["update_seconds"] > 0 and r["peak_rss_mb"] > 0
         assert 1 <= r["mean_completion_tokens"] <= 4
+        assert 0 < r["cpu_user_seconds"] and 0 <= r["cpu_system_seconds"]
     assert ours["prompt_ids"] == trl["prompt_ids"] and ours["mean_prompt_tokens"] == trl["mean_prompt_tokens"]
 
 
