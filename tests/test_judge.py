@@ -97,6 +97,19 @@ def test_settings_are_checked_before_any_model_loads():
         JudgeParams(source="x", read="number", score_range=(5, 1))
 
 
+def test_a_judge_that_cannot_resolve_here_is_refused_before_any_model_loads(tmp_path):
+    """The GRPO and preference nodes build their rewards before the policy loads: a judge folder that does not
+    exist, or a PyPI model that is not installed, stops the run there with the key to fix."""
+    from tunix_pipeline.models.errors import ModelError
+
+    missing = RewardParams(fn="judge", weight=1.0, judge={"source": str(tmp_path / "no-such-judge")})
+    with pytest.raises(ModelError, match="judge.source: model folder not found: .*no-such-judge"):
+        RewardSet([RewardParams(fn="format_exact"), missing])
+    with pytest.raises(ModelError, match="judge.source 'pypi:no-such-model-gguf': the package is not installed"):
+        judge_lib.Judge(JudgeParams(source="pypi:no-such-model-gguf"))
+    assert judge_lib.Judge(JudgeParams(source="google/gemma-3-4b-it")).sampler is None  # a hub id downloads later
+
+
 def test_a_judge_takes_the_last_devices_and_the_policy_the_rest():
     judge_params = {"source": "x", "devices": 2}
     rewards = [RewardParams(fn="answer"), RewardParams(fn="judge", judge=judge_params)]

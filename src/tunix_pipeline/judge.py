@@ -115,6 +115,9 @@ class Judge:
     a reward function (`reference` from the dataset's columns). The model loads on the first call."""
 
     def __init__(self, params: JudgeParams, mesh=None):
+        from tunix_pipeline.models.hub import check_source
+
+        check_source(params.source, key="judge.source")  # a misspelt folder fails now, not at the first GRPO step
         self.params, self.mesh = params, mesh
         self.sampler = self.tokenizer = self.labels = None
         self.last: JudgeScores | None = None

@@ -40,9 +40,28 @@ def resolve_model_dir(params: ModelParams, corpus: Iterable[str] = ()) -> Path:
             return gguf_to_folder(gguf_file, params.local_dir)
         check_folder(local)
         return local
-    if local.is_absolute() or params.source.startswith((".", "data/")) or local.suffix == ".gguf":
-        raise ModelError(f"{'GGUF file' if local.suffix == '.gguf' else 'model folder'} not found: {local}")
+    check_source(params.source)
     return _download(params.source, params.revision)
+
+
+def check_source(source: str, key: str = "model.source") -> None:
+    """Refuses at once a source that cannot resolve on this machine: a local path that does not exist, or a PyPI
+    model package that is not installed. Hub and Kaggle ids are checked when they download."""
+    import importlib.util
+
+    if source.startswith("pypi:"):
+        package = source.removeprefix("pypi:")
+        if importlib.util.find_spec(package.replace("-", "_")) is None:
+            raise ModelError(f"{key} '{source}': the package is not installed; run `{_install_command(package)}`")
+        return
+    local = Path(source)
+    if not local.exists() and (local.is_absolute() or source.startswith((".", "data/")) or local.suffix == ".gguf"):
+        raise ModelError(f"{key}: {'GGUF file' if local.suffix == '.gguf' else 'model folder'} not found: {local}")
+
+
+def _install_command(package: str) -> str:
+    extra = PYPI_EXTRAS.get(package)
+    return f'pip install -e ".[{extra}]"' if extra else f"pip install {package}"
 
 
 def assemble_pypi_gguf(package: str, out_dir: Path) -> Path:
@@ -52,8 +71,7 @@ def assemble_pypi_gguf(package: str, out_dir: Path) -> Path:
 
     from tunix_pipeline.models.gguf import sha256_file
 
-    extra = PYPI_EXTRAS.get(package)
-    install = f'pip install -e ".[{extra}]"' if extra else f"pip install {package}"
+    install = _install_command(package)
     try:
         module = importlib.import_module(package.replace("-", "_"))
     except ImportError as err:
