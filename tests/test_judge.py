@@ -109,6 +109,13 @@ def test_a_judge_that_cannot_resolve_here_is_refused_before_any_model_loads(tmp_
         judge_lib.Judge(JudgeParams(source="pypi:no-such-model-gguf"))
     assert judge_lib.Judge(JudgeParams(source="google/gemma-3-4b-it")).sampler is None  # a hub id downloads later
 
+    from tunix_pipeline.config import EvaluateParams
+    from tunix_pipeline.pipelines.evaluate.nodes import _evaluator
+
+    evaluate = EvaluateParams(judge={"source": str(tmp_path / "no-such-judge")})  # the policy's folder is missing too
+    with pytest.raises(ModelError, match="judge.source"):
+        _evaluator(None, None, {"path": str(tmp_path / "no-such-policy")}, {}, None, evaluate, RuntimeParams())
+
 
 def test_a_judge_takes_the_last_devices_and_the_policy_the_rest():
     judge_params = {"source": "x", "devices": 2}

@@ -15,13 +15,14 @@ log = logging.getLogger(__name__)
 
 def _evaluator(eval_tokens, eval_formatted, base_model, sft_result, model, params, runtime):
     mesh = make_mesh(runtime)
+    judge = _judge(params, mesh)  # a judge source that cannot resolve fails before the policy loads
     tokenizer = load_tokenizer(base_model["path"])
     # a QLoRA run is evaluated on its full-precision base, as it is exported
     network, _ = load_run_model(base_model["path"], model, mesh, quantize=False)
     # the eval loss in SFT's micro-batches: rows of SFT's length that fit with their gradients fit without
     loss_batch_size = sft_result.get("micro_batch_size") or sft_result["global_batch_size"]
     return network, evaluation.Evaluator(network, tokenizer, mesh, params, eval_tokens, eval_formatted, loss_batch_size,
-                                         _judge(params, mesh))
+                                         judge)
 
 
 def _judge(params: EvaluateParams, mesh):
