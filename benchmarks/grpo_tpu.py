@@ -43,7 +43,7 @@ def recipe_plan(env: str, layers: int | None = None):
     for name, changes in recipe["plan"].get("profiles", {}).items():
         profiles[name] = {**profiles[name], **changes}
     plan = PlanParams(**{**base, "hardware": recipe["plan"]["hardware"], "profiles": profiles,
-                         "architectures": {source: hf}})
+                         "architectures": {source: hf}, "train_rows": recipe["plan"].get("train_rows")})
     model = ModelParams(source=source, dtype=recipe["model"]["dtype"], lora=LoraParams(**recipe["model"]["lora"]))
     grpo = GrpoParams(**{**yaml.safe_load((ROOT / "conf/base/parameters_grpo.yml").read_text())["grpo"],
                          **recipe["grpo"], "enabled": True})

@@ -43,12 +43,36 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def make_sampler(model, tokenizer, cache_size: int, group_size: int = 1):
+def make_sampler(model, tokenizer, cache_size: int, group_size: int = 1, gather_weights: bool = False):
     """Our sampler (`upstream.Sampler`: Tunix's with our prefill and token choice) over `model` with a KV cache of
-    `cache_size` positions (prompt + new tokens), prefilling groups of `group_size` identical prompts once."""
+    `cache_size` positions (prompt + new tokens), prefilling groups of `group_size` identical prompts once;
+    `gather_weights`: `Sampler`'s."""
     from tunix_pipeline.upstream import Sampler
 
-    return Sampler.for_model(model, tokenizer, cache_size, group_size)
+    return Sampler.for_model(model, tokenizer, cache_size, group_size, gather_weights=gather_weights)
+
+
+def gathers_weights(weights: str, model) -> bool:
+    """Will each generation call copy `model`'s weights whole onto every data-parallel device first (`weights`:
+    "gathered") or leave them split as trained ("sharded", or "gathered" where the whole copy would take over half
+    a device's free memory: logged)? Nothing to gather where no weight is split over data-parallel devices."""
+    import jax
+    from flax import nnx
+
+    from tunix_pipeline.upstream import split_over_batch
+
+    leaves = jax.tree.leaves(nnx.state(model))
+    split = [x for x in leaves if split_over_batch(x)]
+    if weights != "gathered" or not split:
+        return False
+    stats = split[0].devices().pop().memory_stats()  # None on a CPU
+    whole = sum(x.nbytes for x in leaves) / split[0].sharding.mesh.shape.get("tp", 1)
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) if stats and "bytes_limit" in stats else None
+    if free is not None and whole > free / 2:
+        log.warning("rollout_weights: gathered: the whole weights (%.2f GiB a device) would take over half of a "
+                    "device's free %.2f GiB; decoding with them sharded instead", whole / 2**30, free / 2**30)
+        return False
+    return True
 
 
 def sampling_args(temperature: float, top_p: float | None, top_k: int | None) -> dict:

@@ -27,7 +27,7 @@ import pandas as pd
 from tunix_pipeline import checkpoints, progress, upstream
 from tunix_pipeline.config import GrpoParams
 from tunix_pipeline.errors import UserError
-from tunix_pipeline.generation import fitting_prompts
+from tunix_pipeline.generation import fitting_prompts, gathers_weights
 from tunix_pipeline.optim import make_optimizer
 from tunix_pipeline.paths import storage_path
 from tunix_pipeline.processes import barrier
@@ -123,7 +123,8 @@ def train_grpo(
     root = storage_path(params.checkpoint_dir, "grpo.checkpoint_dir")  # a gs:// URI reaches Orbax as it is
     rollout = _rollout_config(params, tokenizer)
     algo_config, learner_cls = algorithm(params)
-    cluster_config = _cluster_config(params, mesh, root, checkpoints.logger_options(root, metrics_backends), rollout)
+    cluster_config = _cluster_config(params, mesh, root, checkpoints.logger_options(root, metrics_backends), rollout,
+                                     gathers_weights(params.rollout_weights, model))
     # the reference is the SFT policy as it is now, before any GRPO checkpoint is restored into the actor
     reference = frozen_copy(model) if algo_config.beta else None
     # `with mesh:` and not `jax.set_mesh`: under the latter Tunix's optimizer sharding step fails;
@@ -220,8 +221,9 @@ def _rollout_config(params: GrpoParams, tokenizer):
     )
 
 
-def _cluster_config(params: GrpoParams, mesh, root, logging_options, rollout):
-    """Actor, reference and rollout on one mesh; the actor's optimizer, steps and checkpoints."""
+def _cluster_config(params: GrpoParams, mesh, root, logging_options, rollout, gather_weights: bool):
+    """Actor, reference and rollout on one mesh (the rollout's weights gathered with `gather_weights`); the actor's
+    optimizer, steps and checkpoints."""
     from tunix.rl import rl_cluster as rl_cluster_lib
 
     from tunix_pipeline.runtime import BATCH_AXES
@@ -229,7 +231,8 @@ def _cluster_config(params: GrpoParams, mesh, root, logging_options, rollout):
     roles = rl_cluster_lib.Role
     return rl_cluster_lib.ClusterConfig(
         role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},
-        rollout_engine=functools.partial(upstream.grouped_rollout(), group_size=params.num_generations),
+        rollout_engine=functools.partial(upstream.grouped_rollout(), group_size=params.num_generations,
+                                         gather_weights=gather_weights),
         offload_to_cpu=False,
         training_config=rl_cluster_lib.RLTrainingConfig(
             actor_optimizer=make_optimizer(params, params.max_steps),

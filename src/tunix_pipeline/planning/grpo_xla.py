@@ -4,8 +4,10 @@ attached TPU): abstract shapes, no weights, no TPU needed.
 - **generation**: one decode step of Tunix's sampler: the model's forward pass over the last token of
   every completion with the KV cache (`Sampler._sample_step`, the cache donated as Tunix donates it),
   at the rollout's shapes: batch x G sequences, a cache of prompt + completion positions, the
-  policy sharded as the trainer shards it (the rollout uses the actor's model on the same mesh);
-  the cache is split over the data-parallel axes as the model's activations are.
+  policy sharded as the trainer shards it (the rollout uses the actor's model on the same mesh), or
+  whole on each data-parallel chip with `grpo.rollout_weights: gathered` (the sampler gathers it once
+  a rollout: `generation.gathers_weights`); the cache is split over the data-parallel axes as the
+  model's activations are.
 - **update**: the actor's train step (one micro-batch's, with `grpo.micro_batch_size`): Tunix's
   registered policy loss for `grpo.loss_variant` (`GRPOLearner`'s `loss_fn`) on a `TrainExample`
   carrying the reference's and, with
@@ -27,7 +29,7 @@ from tunix_pipeline.config import GrpoParams, JudgeParams
 from tunix_pipeline.planning.architecture import Architecture
 from tunix_pipeline.planning.memory import GIB, TrainSetup, estimate_memory
 from tunix_pipeline.planning.xla import abstract, abstract_policy, measure
-from tunix_pipeline.upstream import accelerator_sharding
+from tunix_pipeline.upstream import accelerator_sharding, whole_over_batch
 
 
 def _rows(mesh, sequences: int, shape: tuple, dtype):
@@ -52,6 +54,9 @@ def compile_decode_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
     started = time.perf_counter()
     mesh, model, _, _ = abstract_policy(arch, setup, layers, lora, devices)
     graph, state = nnx.split(model)
+    state = abstract(state, mesh)
+    if grpo.rollout_weights == "gathered":
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole_over_batch(x)), state)
     sequences = grpo.batch_size * grpo.num_generations
     cache_size = grpo.max_prompt_length + grpo.max_completion_length
     dtype = jnp.dtype(setup.c_dtype)
@@ -68,7 +73,7 @@ def compile_decode_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
 
     with accelerator_sharding(), mesh:
         lowered = jax.jit(decode, donate_argnums=(1,)).lower(
-            abstract(state, mesh), cache, _rows(mesh, sequences, (sequences, 1), jnp.int32),
+            state, cache, _rows(mesh, sequences, (sequences, 1), jnp.int32),
             _rows(mesh, sequences, (sequences, 1), jnp.int32), _rows(mesh, sequences, (sequences, 1, cache_size), jnp.bool_),
         )
         return measure(lowered, started, layers, devices[0].platform)

@@ -3,6 +3,7 @@ for evaluation, preference pairs, GRPO's rollouts, the harness and the judge."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -13,6 +14,7 @@ from flax import nnx
 from tunix.generate import sampler as sampler_lib
 from tunix.generate import utils as sampler_utils
 
+from tunix_pipeline.runtime import BATCH_AXES
 from tunix_pipeline.sampling import sample_inverse_cdf
 
 
@@ -30,22 +32,39 @@ class Sampler(sampler_lib.Sampler):
     Prompts may also be token ids (lists), used as they are. The sampler reads the model's variables at each call,
     so a checkpoint restored into the same model afterwards is what the next call generates with.
     Text only: images, echo and beam search take Tunix's own prefill.
+
+    `gather_weights`: each call first copies the weights whole onto every data-parallel device (one all-gather
+    a call), so the decode loop runs without collectives; over fsdp-sharded weights, XLA otherwise gathers every
+    layer at every decode step (the whole model over the interconnect per token).
     """
 
-    def __init__(self, transformer, tokenizer, cache_config, group_size: int = 1):
+    def __init__(self, transformer, tokenizer, cache_config, group_size: int = 1, gather_weights: bool = False):
         super().__init__(transformer=transformer, tokenizer=tokenizer, cache_config=cache_config)
-        self.group_size = group_size
+        self.group_size, self.gather_weights = group_size, gather_weights
         jit = functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("echo",))
         self._prefills = {g: jit(functools.partial(self._last_token_prefill, group=g)) for g in {1, group_size}}
         self._label_logprobs = jax.jit(self._next_token_logprobs)
 
     @classmethod
-    def for_model(cls, model, tokenizer, cache_size: int, group_size: int = 1) -> Sampler:
+    def for_model(cls, model, tokenizer, cache_size: int, group_size: int = 1, gather_weights: bool = False) -> Sampler:
         """Over `model`, with a KV cache of `cache_size` positions (prompt + new tokens)."""
         cfg = model.config
         return cls(model, tokenizer, sampler_lib.CacheConfig(cache_size=cache_size, num_layers=cfg.num_layers,
                                                              num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim),
-                   group_size=group_size)
+                   group_size=group_size, gather_weights=gather_weights)
+
+    @contextlib.contextmanager
+    def _weights_for_call(self):
+        """Within: the weights this call reads (gathered onto each data-parallel device with `gather_weights`)."""
+        if not self.gather_weights:
+            yield
+            return
+        sharded = self._flattened_transformer_state  # Tunix's calls read this attribute
+        self._flattened_transformer_state = jax.tree.map(without_batch_axes, sharded)
+        try:
+            yield
+        finally:
+            self._flattened_transformer_state = sharded
 
     def tokenize(self, prompt):
         return super().tokenize(prompt) if isinstance(prompt, str) else np.asarray(prompt, dtype=np.int32)
@@ -53,7 +72,8 @@ class Sampler(sampler_lib.Sampler):
     def __call__(self, input_strings, *args, **kwargs):
         tokens = [self.tokenize(x) for x in ([input_strings] if isinstance(input_strings, str) else input_strings)]
         self._compiled_prefill_fn = self._prefills[self.group_size if in_groups(tokens, self.group_size) else 1]
-        return super().__call__(tokens, *args, **kwargs)
+        with self._weights_for_call():
+            return super().__call__(tokens, *args, **kwargs)
 
     def next_token_logprobs(self, prompts, prompt_length: int, token_ids) -> np.ndarray:
         """(prompts, len(`token_ids`)) log-probabilities of `token_ids` as each prompt's next token: the prefill
@@ -65,7 +85,8 @@ class Sampler(sampler_lib.Sampler):
         state = self.init_sample_state(jnp.asarray(padded), total_sampling_steps=prompt_length + 1, include_logits=False,
                                        forbidden_token_ids=None, temperature=0.0, top_p=None, top_k=None,
                                        seed=jax.random.PRNGKey(0), beam_size=None)
-        return np.asarray(self._label_logprobs(self._flattened_transformer_state, state, jnp.asarray(token_ids)))
+        with self._weights_for_call():
+            return np.asarray(self._label_logprobs(self._flattened_transformer_state, state, jnp.asarray(token_ids)))
 
     def _next_token_logprobs(self, params, sampler_state, token_ids):
         logits, _ = self._prefill_logits(params, sampler_state, group=1)
@@ -129,6 +150,25 @@ class Sampler(sampler_lib.Sampler):
         )
 
 
+def without_batch_axes(x):
+    """`x` whole on each data-parallel device (its `BATCH_AXES` splits undone, its tensor-parallel ones kept)."""
+    return jax.device_put(x, whole_over_batch(x)) if split_over_batch(x) else x
+
+
+def split_over_batch(x) -> bool:
+    """Is `x` (an array or a ShapeDtypeStruct) split over a data-parallel axis (`BATCH_AXES`)?"""
+    return isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding) and whole_over_batch(x) != x.sharding
+
+
+def whole_over_batch(x) -> jax.sharding.NamedSharding:
+    """`x`'s sharding with its splits over `BATCH_AXES` dropped."""
+    def kept(axis):
+        names = tuple(n for n in ((axis,) if isinstance(axis, str) else (axis or ())) if n not in BATCH_AXES[0])
+        return names if len(names) > 1 else (names[0] if names else None)
+
+    return jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec(*(kept(a) for a in x.sharding.spec)))
+
+
 def in_groups(tokens: list, group_size: int) -> bool:
     """Is the batch made of runs of `group_size` identical prompts?"""
     if group_size <= 1 or len(tokens) % group_size:
@@ -138,12 +178,14 @@ def in_groups(tokens: list, group_size: int) -> bool:
 
 def grouped_rollout():
     """Tunix's vanilla rollout over our `Sampler`, for `ClusterConfig.rollout_engine` (with `group_size` bound):
-    Tunix's GRPO learner asks for a prompt's G completions as G copies in a row, which `Sampler` prefills once."""
+    Tunix's GRPO learner asks for a prompt's G completions as G copies in a row, which `Sampler` prefills once;
+    `gather_weights`: `Sampler`'s."""
     from tunix.rl.rollout import vanilla_rollout
 
     class GroupedRollout(vanilla_rollout.VanillaRollout):
-        def __init__(self, rollout_actor, tokenizer, mesh, rollout_config, group_size: int):
+        def __init__(self, rollout_actor, tokenizer, mesh, rollout_config, group_size: int, gather_weights: bool):
             del mesh  # the sampler runs where the actor's arrays are, as Tunix's vanilla rollout does
-            self._sampler = Sampler.for_model(rollout_actor, tokenizer, rollout_config.kv_cache_size, group_size)
+            self._sampler = Sampler.for_model(rollout_actor, tokenizer, rollout_config.kv_cache_size, group_size,
+                                              gather_weights)
 
     return GroupedRollout
