@@ -4,7 +4,8 @@
     python benchmarks/grpo_tpu.py --layers 2,3,4            # each at these depths: the data to refit the estimate
 
 For each recipe (its GRPO session's parameters, its v5e 2x4 topology and mesh) and phase (one decode step
-with the KV cache; the policy update), a line with XLA:TPU's peak bytes per chip, the estimate of the same
+with the KV cache, with the recipe's `runtime.decode_weights`, or at `--layers` both sharded and gathered;
+the policy update), a line with XLA:TPU's peak bytes per chip, the estimate of the same
 program (`planning.grpo_xla.estimates`), their difference, the FLOPs per chip and the compile time. Each
 update compile takes minutes of one core (the 256k-word logits of 8 sequences of 480 tokens).
 """
@@ -12,6 +13,7 @@ update compile takes minutes of one core (the 256k-word logits of 8 sequences of
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -24,7 +26,7 @@ from tunix_pipeline.config import (  # noqa: E402
     GrpoParams, LoraParams, ModelParams, PlanParams, RuntimeParams, SftParams, TokenizeParams,
 )
 from tunix_pipeline.planning import build_plan, grpo_xla, xla  # noqa: E402
-from tunix_pipeline.planning.grpo import update_setup  # noqa: E402
+from tunix_pipeline.planning.grpo import rollout_setup, update_setup  # noqa: E402
 from tunix_pipeline.planning.memory import GIB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +34,7 @@ RECIPES = ("kaggle_gemma3_1b_v5e8", "kaggle_gemma2_2b_v5e8")
 
 
 def recipe_plan(env: str, layers: int | None = None):
-    """(plan, model, grpo) of the recipe's GRPO session, optionally cut to `layers` layers."""
+    """(plan, model, grpo, runtime) of the recipe's GRPO session, optionally cut to `layers` layers."""
     base = yaml.safe_load((ROOT / "conf/base/parameters_plan.yml").read_text())["plan"]
     recipe = yaml.safe_load((ROOT / "conf" / env / "parameters.yml").read_text())
     source = recipe["model"]["source"]
@@ -48,7 +50,8 @@ def recipe_plan(env: str, layers: int | None = None):
     grpo = GrpoParams(**{**yaml.safe_load((ROOT / "conf/base/parameters_grpo.yml").read_text())["grpo"],
                          **recipe["grpo"], "enabled": True})
     sft = SftParams(**recipe["sft"])
-    return build_plan(model, sft, RuntimeParams(), TokenizeParams(**recipe["tokenize"]), plan), model, grpo
+    runtime = RuntimeParams(**recipe.get("runtime", {}))
+    return build_plan(model, sft, runtime, TokenizeParams(**recipe["tokenize"]), plan), model, grpo, runtime
 
 
 def main() -> None:
@@ -58,24 +61,26 @@ def main() -> None:
     args = parser.parse_args()
     for env in args.recipes.split(","):
         if not args.layers:
-            plan, model, grpo = recipe_plan(env)
-            result = grpo_xla.check(plan, model, grpo)
+            plan, model, grpo, runtime = recipe_plan(env)
+            result = grpo_xla.check(plan, model, grpo, decode_weights=runtime.decode_weights)
             for phase in ("generation", "update"):
-                print(json.dumps({"recipe": env, "phase": phase, **result[phase]}), flush=True)
+                print(json.dumps({"recipe": env, "phase": phase, "decode_weights": runtime.decode_weights,
+                                  **result[phase]}), flush=True)
             continue
         for layers in (int(x) for x in args.layers.split(",")):
-            plan, model, grpo = recipe_plan(env, layers)
+            plan, model, grpo, _ = recipe_plan(env, layers)
             _, devices = xla.tpu_target(plan.selected.hw)
             setup = update_setup(plan.selected, grpo)
-            estimate = grpo_xla.estimates(plan.job.arch, setup)
-            for phase, compile_fn in (("generation", grpo_xla.compile_decode_step),
-                                      ("update", grpo_xla.compile_update_step)):
+            estimate = grpo_xla.estimates(plan.job.arch, setup, rollout_setup(plan.selected, grpo))
+            for phase, weights in (("generation", "sharded"), ("generation", "gathered"), ("update", None)):
+                compile_fn = (grpo_xla.compile_update_step if phase == "update" else
+                              functools.partial(grpo_xla.compile_decode_step, gathered=weights == "gathered"))
                 r = compile_fn(plan.job.arch, setup, grpo, layers, model.lora, devices)
-                print(json.dumps({"recipe": env, "phase": phase, "layers": layers, "xla_gib": r["peak"] / GIB,
-                                  "estimate_gib": estimate[phase] / GIB,
+                print(json.dumps({"recipe": env, "phase": phase, "decode_weights": weights, "layers": layers,
+                                  "xla_gib": r["peak"] / GIB, "estimate_gib": estimate[phase] / GIB,
                                   "difference": (estimate[phase] - r["peak"]) / r["peak"],
-                                  "flops_per_device": r["flops"], "seconds": r["seconds"]}), flush=True)
-
+                                  "flops_per_device": r["flops"], "bytes_accessed_per_device": r["bytes_accessed"],
+                                  "seconds": r["seconds"]}), flush=True)
 
 if __name__ == "__main__":
     main()

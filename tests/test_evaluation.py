@@ -375,13 +375,15 @@ def test_evaluation_with_the_judge_model_reports_its_score_beside_accuracy(tiny,
 
 
 def test_gathered_weights_generate_the_same_tokens_and_leave_the_model_sharded(tiny, tokenizer):
-    """`rollout_weights: gathered`: each call decodes with the weights whole on every data-parallel device (no
+    """`runtime.decode_weights: gathered`: each call decodes with the weights whole on every data-parallel device (no
     collective a token), the same greedy tokens as over the fsdp-sharded weights; the model itself stays sharded."""
     import jax
     from flax import nnx
 
+    from tunix_pipeline.runtime import split_over_batch
+
     model, mesh = tiny
-    split = [x for x in jax.tree.leaves(nnx.state(model)) if upstream.split_over_batch(x)]
+    split = [x for x in jax.tree.leaves(nnx.state(model)) if split_over_batch(x)]
     assert split and generation.gathers_weights("gathered", model) and not generation.gathers_weights("sharded", model)
     prompts = [f"<bos><start_of_turn>user\nBo has {i} figs.<end_of_turn>\n<start_of_turn>model\n" for i in range(4)]
     args = dict(max_generation_steps=8, max_prompt_length=32, eos_tokens=generation.end_tokens(tokenizer))
@@ -393,6 +395,6 @@ def test_gathered_weights_generate_the_same_tokens_and_leave_the_model_sharded(t
     with mesh:
         expected = [t.tolist() for t in sharded(prompts, **args).tokens]
         assert [t.tolist() for t in gathered(prompts, **args).tokens] == expected
-    assert read and not any(upstream.split_over_batch(x) for x in jax.tree.leaves(read[0]))
-    assert all(upstream.split_over_batch(x) for x in split)
+    assert read and not any(split_over_batch(x) for x in jax.tree.leaves(read[0]))
+    assert all(split_over_batch(x) for x in split)
     assert gathered._flattened_transformer_state is not read[0]  # the call's copy is dropped after it

@@ -196,9 +196,9 @@ def test_grpo_with_lora_trains_only_adapters_without_a_reference(tiny_model_dir,
     model, _ = load_model(tiny_model_dir, mesh, "float32")
     model = apply_lora(model, LoraParams(rank=2, alpha=4.0), mesh)
     base, adapters = _weights(model), _weights(model, nnx.LoRAParam)
-    params = _params(tmp_path, loss_variant="dr-grpo", beta=0.0, max_steps=1, checkpoint_every=1, max_prompts=2,
-                     rollout_weights="gathered")  # the Kaggle Gemma-2-2B recipe's rollouts
-    result = grpo.train_grpo(model, tokenizer, formatted, params, mesh)
+    params = _params(tmp_path, loss_variant="dr-grpo", beta=0.0, max_steps=1, checkpoint_every=1, max_prompts=2)
+    # rollouts over the weights gathered onto each device, as the Kaggle Gemma-2-2B recipe decodes
+    result = grpo.train_grpo(model, tokenizer, formatted, params, mesh, decode_weights="gathered")
     assert result["latest_step"] == 1 and not result["reference_model"] and result["prompts"] == 2
     assert result["history"][0]["kl"] is None  # no KL without a reference
     new_base, new_adapters = _weights(model), _weights(model, nnx.LoRAParam)

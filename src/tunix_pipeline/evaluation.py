@@ -230,11 +230,12 @@ def markdown_table(metrics: dict[str, dict], delta: tuple[str, str] | None = Non
 # ---------------------------------------------------------------- the evaluator
 class Evaluator:
     """Loss on the eval rows (`loss_rows` of them) and generation on the held-out prompts, for one model whose weights
-    change; `judge` (a `judge.Judge`, or None) scores the generations."""
+    change; `judge` (a `judge.Judge`, or None) scores the generations; `decode_weights`: `runtime.decode_weights`."""
 
     def __init__(self, model, tokenizer, mesh, params: EvaluateParams, eval_tokens: pd.DataFrame,
-                 eval_formatted: pd.DataFrame, loss_batch_size: int, judge=None):
+                 eval_formatted: pd.DataFrame, loss_batch_size: int, judge=None, decode_weights: str = "sharded"):
         self.model, self.tokenizer, self.mesh, self.params = model, tokenizer, mesh, params
+        self.decode_weights = decode_weights
         self.eval_tokens = eval_tokens if params.loss_rows is None else eval_tokens.head(params.loss_rows)
         self.loss_batch_size = loss_batch_size
         self.held_out, self.too_long, self.prompt_length = select_prompts(eval_formatted, tokenizer, params)
@@ -251,7 +252,8 @@ class Evaluator:
         texts, lengths, judged = [], [], None
         if prompts:
             if self._generator is None:
-                self._generator = Generator(self.model, self.tokenizer, self.params, self.prompt_length)
+                self._generator = Generator(self.model, self.tokenizer, self.params, self.prompt_length,
+                                            self.decode_weights)
             with self.mesh:
                 texts, lengths = self._generator(prompts)
             if self.judge is not None:

@@ -53,13 +53,14 @@ def make_sampler(model, tokenizer, cache_size: int, group_size: int = 1, gather_
 
 
 def gathers_weights(weights: str, model) -> bool:
-    """Will each generation call copy `model`'s weights whole onto every data-parallel device first (`weights`:
-    "gathered") or leave them split as trained ("sharded", or "gathered" where the whole copy would take over half
-    a device's free memory: logged)? Nothing to gather where no weight is split over data-parallel devices."""
+    """Will each generation call copy `model`'s weights whole onto every data-parallel device first
+    (`runtime.decode_weights`: "gathered") or leave them split as trained ("sharded", or "gathered" where the whole
+    copy would take over half a device's free memory: logged)? Nothing to gather where no weight is split over
+    data-parallel devices."""
     import jax
     from flax import nnx
 
-    from tunix_pipeline.upstream import split_over_batch
+    from tunix_pipeline.runtime import split_over_batch
 
     leaves = jax.tree.leaves(nnx.state(model))
     split = [x for x in leaves if split_over_batch(x)]
@@ -69,7 +70,7 @@ def gathers_weights(weights: str, model) -> bool:
     whole = sum(x.nbytes for x in leaves) / split[0].sharding.mesh.shape.get("tp", 1)
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) if stats and "bytes_limit" in stats else None
     if free is not None and whole > free / 2:
-        log.warning("rollout_weights: gathered: the whole weights (%.2f GiB a device) would take over half of a "
+        log.warning("runtime.decode_weights: gathered: the whole weights (%.2f GiB a device) would take over half of a "
                     "device's free %.2f GiB; decoding with them sharded instead", whole / 2**30, free / 2**30)
         return False
     return True
@@ -83,13 +84,15 @@ def sampling_args(temperature: float, top_p: float | None, top_k: int | None) ->
 
 
 class Generator:
-    """Tunix's `Sampler` with one KV cache shape: fixed batch and prompt length, one compile."""
+    """Tunix's `Sampler` with one KV cache shape: fixed batch and prompt length, one compile; `decode_weights`:
+    `gathers_weights`'."""
 
-    def __init__(self, model, tokenizer, params: EvaluateParams, prompt_length: int):
+    def __init__(self, model, tokenizer, params: EvaluateParams, prompt_length: int, decode_weights: str = "sharded"):
         self.params = params
         self.prompt_length = prompt_length
         self.stop = end_tokens(tokenizer)
-        self.sampler = make_sampler(model, tokenizer, prompt_length + params.max_new_tokens, params.num_samples)
+        self.sampler = make_sampler(model, tokenizer, prompt_length + params.max_new_tokens, params.num_samples,
+                                    gathers_weights(decode_weights, model))
 
     def __call__(self, prompts: list[str]) -> tuple[list[str], list[int]]:
         """(texts, completion lengths in tokens), `num_samples` consecutive ones per prompt."""

@@ -107,15 +107,11 @@ def frozen_copy(model):
 
 # ---------------------------------------------------------------- the run
 def train_grpo(
-    model,
-    tokenizer,
-    train_formatted: pd.DataFrame,
-    params: GrpoParams,
-    mesh: jax.sharding.Mesh,
-    metrics_backends: list | None = None,
-    judge_mesh: jax.sharding.Mesh | None = None,
+    model, tokenizer, train_formatted: pd.DataFrame, params: GrpoParams, mesh: jax.sharding.Mesh,
+    metrics_backends: list | None = None, judge_mesh: jax.sharding.Mesh | None = None, decode_weights: str = "sharded",
 ) -> dict:
-    """GRPO on `model` in place (full weights or LoRA adapters), judges on `judge_mesh`, else `mesh`; resumes."""
+    """GRPO on `model` in place (full weights or LoRA adapters), judges on `judge_mesh`, else `mesh`; resumes.
+    `decode_weights`: the rollouts', `runtime.decode_weights`."""
     from tunix.rl import rl_cluster as rl_cluster_lib
 
     rewards = RewardSet(params.rewards, judge_mesh or mesh)
@@ -124,7 +120,7 @@ def train_grpo(
     rollout = _rollout_config(params, tokenizer)
     algo_config, learner_cls = algorithm(params)
     cluster_config = _cluster_config(params, mesh, root, checkpoints.logger_options(root, metrics_backends), rollout,
-                                     gathers_weights(params.rollout_weights, model))
+                                     gathers_weights(decode_weights, model))
     # the reference is the SFT policy as it is now, before any GRPO checkpoint is restored into the actor
     reference = frozen_copy(model) if algo_config.beta else None
     # `with mesh:` and not `jax.set_mesh`: under the latter Tunix's optimizer sharding step fails;

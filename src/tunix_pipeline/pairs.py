@@ -20,9 +20,10 @@ REWARD_PAIR_COLUMNS = PAIR_COLUMNS + ["chosen_reward", "rejected_reward"]
 
 
 def pairs_from_rewards(model, tokenizer, formatted: pd.DataFrame, params: PreferenceParams, rewards, mesh,
-                       max_prompts: int) -> tuple[pd.DataFrame, dict]:
-    """(pairs, counts): `k` samples per prompt with `generation`'s sampler, scored with GRPO's rewards; per prompt
-    the best and the worst sample, kept where their weighted total rewards differ by at least `margin`.
+                       max_prompts: int, decode_weights: str = "sharded") -> tuple[pd.DataFrame, dict]:
+    """(pairs, counts): `k` samples per prompt with `generation`'s sampler (`decode_weights`:
+    `runtime.decode_weights`), scored with GRPO's rewards; per prompt the best and the worst sample, kept where
+    their weighted total rewards differ by at least `margin`.
 
     A sample that stopped by itself gets the end-of-turn marker SFT taught (one cut off at
     `max_new_tokens` does not), so a pair's answers read as the training data's do.
@@ -43,7 +44,8 @@ def pairs_from_rewards(model, tokenizer, formatted: pd.DataFrame, params: Prefer
         temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, num_samples=spec.num_samples, seed=spec.seed,
     )
     with mesh:
-        texts, lengths = Generator(model, tokenizer, sampling, params.max_prompt_length)(rows["prompt"].tolist())
+        texts, lengths = Generator(model, tokenizer, sampling, params.max_prompt_length,
+                                   decode_weights)(rows["prompt"].tolist())
     closing = end_of_turn(tokenizer)
     k = spec.num_samples
     completions = [t + closing if n < spec.max_new_tokens else t for t, n in zip(texts, lengths)]

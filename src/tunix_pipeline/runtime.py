@@ -282,3 +282,28 @@ def shard_rows(batch: dict, mesh: jax.sharding.Mesh) -> dict:
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*BATCH_AXES))
     return {k: v if isinstance(v, jax.Array) and not v.is_fully_addressable  # already global
             else jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
+
+
+def without_batch_axes(x):
+    """`x` whole on each data-parallel device (its `BATCH_AXES` splits undone, its tensor-parallel ones kept)."""
+    import jax
+
+    return jax.device_put(x, whole_over_batch(x)) if split_over_batch(x) else x
+
+
+def split_over_batch(x) -> bool:
+    """Is `x` (an array or a ShapeDtypeStruct) split over a data-parallel axis (`BATCH_AXES`)?"""
+    import jax
+
+    return isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding) and whole_over_batch(x) != x.sharding
+
+
+def whole_over_batch(x) -> jax.sharding.NamedSharding:
+    """`x`'s sharding with its splits over `BATCH_AXES` dropped."""
+    import jax
+
+    def kept(axis):
+        names = tuple(n for n in ((axis,) if isinstance(axis, str) else (axis or ())) if n not in BATCH_AXES[0])
+        return names if len(names) > 1 else (names[0] if names else None)
+
+    return jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec(*(kept(a) for a in x.sharding.spec)))

@@ -113,13 +113,6 @@ class GrpoParams(OptimizerSettings, CheckpointSettings):
     epsilon_high: float | None = Field(None, gt=0, description="dapo only: upper clip (default 0.28)")
     max_prompt_length: int = Field(256, gt=0, description="longer prompts are skipped and counted")
     max_completion_length: int = Field(256, gt=0)
-    # which is faster depends on how XLA splits the decode step (`plan` compiles it for a TPU): over fsdp-sharded
-    # weights it gathers Gemma-2-2B's every layer at every token, while it splits Gemma-3-1B's matmuls instead
-    rollout_weights: Literal["sharded", "gathered"] = Field(
-        "sharded", description="decode with the weights split as trained, or gathered whole on each data-parallel "
-        "device once a rollout (no collective a token; kept sharded, with a warning, where that copy would take "
-        "over half a device's free memory)",
-    )
     temperature: float = Field(0.9, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, gt=0)

@@ -33,6 +33,12 @@ class RuntimeParams(Strict):
     shared_folder_timeout_s: float = Field(20.0, gt=0)
     # the accelerator's peak bf16 FLOP/s per device, for MFU; null: the plan's hardware profile's peak
     peak_flops_per_device: float | None = Field(None, gt=0)
+    # generation (evaluation, preference pairs, GRPO's rollouts) decodes with the weights split as trained, or
+    # gathered whole on each data-parallel device once a call (no collective a token; left sharded, with a warning,
+    # where that copy would take over half a device's free memory). Which is faster depends on how XLA splits the
+    # decode step (`plan` compiles it for a TPU): over fsdp it gathers Gemma-2-2B's every layer at every token, but
+    # splits Gemma-3-1B's matmuls
+    decode_weights: Literal["sharded", "gathered"] = "sharded"
 
 
 class OptimizerSettings(Strict):

@@ -5,8 +5,8 @@ attached TPU): abstract shapes, no weights, no TPU needed.
   every completion with the KV cache (`Sampler._sample_step`, the cache donated as Tunix donates it),
   at the rollout's shapes: batch x G sequences, a cache of prompt + completion positions, the
   policy sharded as the trainer shards it (the rollout uses the actor's model on the same mesh), or
-  whole on each data-parallel chip with `grpo.rollout_weights: gathered` (the sampler gathers it once
-  a rollout: `generation.gathers_weights`); the cache is split over the data-parallel axes as the
+  whole on each data-parallel chip with `runtime.decode_weights: gathered` (the sampler gathers it once
+  a call: `generation.gathers_weights`); the cache is split over the data-parallel axes as the
   model's activations are.
 - **update**: the actor's train step (one micro-batch's, with `grpo.micro_batch_size`): Tunix's
   registered policy loss for `grpo.loss_variant` (`GRPOLearner`'s `loss_fn`) on a `TrainExample`
@@ -22,6 +22,7 @@ period when every sliding window spans the rollout: `layer_period`).
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 
@@ -29,7 +30,8 @@ from tunix_pipeline.config import GrpoParams, JudgeParams
 from tunix_pipeline.planning.architecture import Architecture
 from tunix_pipeline.planning.memory import GIB, TrainSetup, estimate_memory
 from tunix_pipeline.planning.xla import abstract, abstract_policy, measure
-from tunix_pipeline.upstream import accelerator_sharding, whole_over_batch
+from tunix_pipeline.runtime import whole_over_batch
+from tunix_pipeline.upstream import accelerator_sharding
 
 
 def _rows(mesh, sequences: int, shape: tuple, dtype):
@@ -43,8 +45,10 @@ def _rows(mesh, sequences: int, shape: tuple, dtype):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
 
 
-def compile_decode_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams, layers: int, lora, devices) -> dict:
-    """One decode step with the KV cache at the rollout's shapes: memory, FLOPs and bytes accessed per chip."""
+def compile_decode_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams, layers: int, lora, devices,
+                        gathered: bool = False) -> dict:
+    """One decode step with the KV cache at the rollout's shapes: memory, FLOPs and bytes accessed per chip;
+    `gathered`: the weights whole on each data-parallel chip."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -55,7 +59,7 @@ def compile_decode_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
     mesh, model, _, _ = abstract_policy(arch, setup, layers, lora, devices)
     graph, state = nnx.split(model)
     state = abstract(state, mesh)
-    if grpo.rollout_weights == "gathered":
+    if gathered:
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole_over_batch(x)), state)
     sequences = grpo.batch_size * grpo.num_generations
     cache_size = grpo.max_prompt_length + grpo.max_completion_length
@@ -210,10 +214,12 @@ def estimates(arch: Architecture, setup: TrainSetup, roll: TrainSetup | None = N
             "update": estimate_memory(arch, setup.replace(grad_accum=1)).peak}
 
 
-def check(plan, model, grpo: GrpoParams, max_layers: int | None = 4, params=None) -> dict | None:
+def check(plan, model, grpo: GrpoParams, max_layers: int | None = 4, params=None,
+          decode_weights: str = "sharded") -> dict | None:
     """Both GRPO programs of the selected profile compiled by XLA:TPU for its topology (or the attached TPU), and
-    each judge's scoring call (`params`: the PlanParams that find the judges and resize the policy's mesh); None
-    when neither libtpu nor a TPU is at hand. A program that does not compile is reported as such."""
+    each judge's scoring call (`params`: the PlanParams that find the judges and resize the policy's mesh;
+    `decode_weights`: `runtime.decode_weights`); None when neither libtpu nor a TPU is at hand. A program that
+    does not compile is reported as such."""
     from tunix_pipeline.planning import judge, xla
     from tunix_pipeline.planning.grpo import rollout_setup, update_setup
 
@@ -232,8 +238,9 @@ def check(plan, model, grpo: GrpoParams, max_layers: int | None = 4, params=None
             return {"error": problem, "topology": name}
     setup = update_setup(policy, grpo)
     estimate = estimates(arch, setup, rollout_setup(policy, grpo))
-    out = {"topology": name, "mesh": setup.mesh, "dtype": setup.param_dtype}
-    for phase, compile_fn in (("generation", compile_decode_step), ("update", compile_update_step)):
+    out = {"topology": name, "mesh": setup.mesh, "dtype": setup.param_dtype, "decode_weights": decode_weights}
+    decode_step = functools.partial(compile_decode_step, gathered=decode_weights == "gathered")
+    for phase, compile_fn in (("generation", decode_step), ("update", compile_update_step)):
         out[phase] = _compiled(lambda layers: compile_fn(arch, setup, grpo, layers, model.lora, devices), arch,
                                max_layers, layer_period(arch, setup.seq_len), estimate[phase])
     if arches:

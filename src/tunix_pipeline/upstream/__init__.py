@@ -19,9 +19,7 @@ import numpy as np
 from flax import nnx
 
 from tunix_pipeline.runtime import shard_rows, step_compiler_options
-from tunix_pipeline.upstream.generation import (  # noqa: F401
-    Sampler, grouped_rollout, in_groups, split_over_batch, whole_over_batch, without_batch_axes,
-)
+from tunix_pipeline.upstream.generation import Sampler, grouped_rollout, in_groups  # noqa: F401
 
 REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 

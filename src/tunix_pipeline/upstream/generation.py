@@ -14,7 +14,7 @@ from flax import nnx
 from tunix.generate import sampler as sampler_lib
 from tunix.generate import utils as sampler_utils
 
-from tunix_pipeline.runtime import BATCH_AXES
+from tunix_pipeline.runtime import without_batch_axes
 from tunix_pipeline.sampling import sample_inverse_cdf
 
 
@@ -148,25 +148,6 @@ class Sampler(sampler_lib.Sampler):
             sampler_state, decoding_step=step + 1, token_buffer=sampler_state.token_buffer.at[:, step + 1].set(token),
             logprobs_buffer=logprobs, cache=cache, done=sampler_state.done | jnp.isin(token, eos),
         )
-
-
-def without_batch_axes(x):
-    """`x` whole on each data-parallel device (its `BATCH_AXES` splits undone, its tensor-parallel ones kept)."""
-    return jax.device_put(x, whole_over_batch(x)) if split_over_batch(x) else x
-
-
-def split_over_batch(x) -> bool:
-    """Is `x` (an array or a ShapeDtypeStruct) split over a data-parallel axis (`BATCH_AXES`)?"""
-    return isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding) and whole_over_batch(x) != x.sharding
-
-
-def whole_over_batch(x) -> jax.sharding.NamedSharding:
-    """`x`'s sharding with its splits over `BATCH_AXES` dropped."""
-    def kept(axis):
-        names = tuple(n for n in ((axis,) if isinstance(axis, str) else (axis or ())) if n not in BATCH_AXES[0])
-        return names if len(names) > 1 else (names[0] if names else None)
-
-    return jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec(*(kept(a) for a in x.sharding.spec)))
 
 
 def in_groups(tokens: list, group_size: int) -> bool:

@@ -22,7 +22,7 @@ def _evaluator(eval_tokens, eval_formatted, base_model, sft_result, model, param
     # the eval loss in SFT's micro-batches: rows of SFT's length that fit with their gradients fit without
     loss_batch_size = sft_result.get("micro_batch_size") or sft_result["global_batch_size"]
     return network, evaluation.Evaluator(network, tokenizer, mesh, params, eval_tokens, eval_formatted, loss_batch_size,
-                                         judge)
+                                         judge, runtime.decode_weights)
 
 
 def _judge(params: EvaluateParams, mesh):

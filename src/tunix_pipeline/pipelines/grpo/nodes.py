@@ -35,7 +35,7 @@ def run_grpo(
     network, _ = load_run_model(base_model["path"], model, mesh)
     step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), "grpo")
     backends = metrics_backends(tracking, runtime.output_root, "grpo")
-    result = train_grpo(network, tokenizer, train_formatted, grpo, mesh, backends, judge_mesh)
+    result = train_grpo(network, tokenizer, train_formatted, grpo, mesh, backends, judge_mesh, runtime.decode_weights)
     return {
         **result,
         "policy_stage": GRPO.name,

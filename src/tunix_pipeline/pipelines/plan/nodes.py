@@ -31,7 +31,7 @@ def plan_training(
     grpo, grpo_hours = _planned_stage("grpo", grpo, sessions)
     compiled = None
     if plan.xla_check.enabled and plan.xla_check.grpo and grpo.enabled:  # XLA:TPU only: None unless libtpu or a TPU is at hand
-        compiled = grpo_xla.check(result, model, grpo, plan.xla_check.max_layers, plan)
+        compiled = grpo_xla.check(result, model, grpo, plan.xla_check.max_layers, plan, runtime.decode_weights)
     result = add_grpo(result, grpo, plan, grpo_hours, compiled)
     text = markdown(result)
     print(text)  # noqa: T201 - the table is this pipeline's output

@@ -53,9 +53,9 @@ def build_pairs(
     network, _ = load_run_model(base_model["path"], model, mesh, quantize=False)
     step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), "preference")
     train, train_counts = pairs.pairs_from_rewards(network, tokenizer, train_formatted, params, rewards, mesh,
-                                                  spec.max_prompts)
+                                                  spec.max_prompts, runtime.decode_weights)
     held_out, eval_counts = pairs.pairs_from_rewards(network, tokenizer, eval_formatted, params, rewards, mesh,
-                                                    spec.eval_prompts)
+                                                    spec.eval_prompts, runtime.decode_weights)
     report = {"enabled": True, "pairs": "from_rewards", **start_of(parent_result), "start_step": step,
               "rewards": dict(rewards.weights), "margin": spec.margin,
               "train": train_counts, "eval": eval_counts}
