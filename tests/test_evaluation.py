@@ -385,6 +385,7 @@ def test_gathered_weights_generate_the_same_tokens_and_leave_the_model_sharded(t
     model, mesh = tiny
     split = [x for x in jax.tree.leaves(nnx.state(model)) if split_over_batch(x)]
     assert split and generation.gathers_weights("gathered", model) and not generation.gathers_weights("sharded", model)
+    assert generation.Generator(model, tokenizer, EvaluateParams(), 16, "gathered").sampler.gather_weights
     prompts = [f"<bos><start_of_turn>user\nBo has {i} figs.<end_of_turn>\n<start_of_turn>model\n" for i in range(4)]
     args = dict(max_generation_steps=8, max_prompt_length=32, eos_tokens=generation.end_tokens(tokenizer))
     sharded = generation.make_sampler(model, tokenizer, 40)
