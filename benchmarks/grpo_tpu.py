@@ -38,7 +38,7 @@ def recipe_plan(env: str, layers: int | None = None):
     base = yaml.safe_load((ROOT / "conf/base/parameters_plan.yml").read_text())["plan"]
     recipe = yaml.safe_load((ROOT / "conf" / env / "parameters.yml").read_text())
     source = recipe["model"]["source"]
-    hf = dict(recipe["plan"]["architectures"][source])
+    hf = dict({**base["architectures"], **recipe["plan"].get("architectures", {})}[source])
     if layers:
         hf["num_hidden_layers"] = layers
     profiles = {**base["profiles"]}
@@ -46,7 +46,8 @@ def recipe_plan(env: str, layers: int | None = None):
         profiles[name] = {**profiles[name], **changes}
     plan = PlanParams(**{**base, "hardware": recipe["plan"]["hardware"], "profiles": profiles,
                          "architectures": {source: hf}, "train_rows": recipe["plan"].get("train_rows")})
-    model = ModelParams(source=source, dtype=recipe["model"]["dtype"], lora=LoraParams(**recipe["model"]["lora"]))
+    lora = LoraParams(**recipe["model"]["lora"]) if "lora" in recipe["model"] else None
+    model = ModelParams(source=source, dtype=recipe["model"]["dtype"], lora=lora)
     grpo = GrpoParams(**{**yaml.safe_load((ROOT / "conf/base/parameters_grpo.yml").read_text())["grpo"],
                          **recipe["grpo"], "enabled": True})
     sft = SftParams(**recipe["sft"])
