@@ -83,5 +83,6 @@ def main() -> None:
                                   "flops_per_device": r["flops"], "bytes_accessed_per_device": r["bytes_accessed"],
                                   "seconds": r["seconds"]}), flush=True)
 
+
 if __name__ == "__main__":
     main()
