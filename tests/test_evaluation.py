@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 from pydantic import ValidationError
 
-from tunix_pipeline import evaluation, generation, sampling, upstream
+from tunix_pipeline import answers, evaluation, generation, sampling, significance, upstream
 from tunix_pipeline.config import EvaluateParams, ModelParams, RuntimeParams
 from tunix_pipeline.evaluation import answers_match, exact_match, majority_answer, markdown_table, pass_at_k, score
 
@@ -62,6 +62,76 @@ def test_majority_vote():
     assert majority_answer(["13", "12", None, None]) == "13"  # tie: first drawn
     assert majority_answer([None, None]) is None
     assert majority_answer(["a", "b", "b"]) == "b"
+
+
+@pytest.mark.parametrize(
+    ("text", "lenient"),
+    [
+        ("So she has 3 + 4 = 7 apples. The answer is 7.", "7"),  # the last number, its final period dropped
+        ("<reasoning>$1,200 / 2 = $600</reasoning><answer>$600</answer>", "600"),  # $ and commas dropped
+        ("<reasoning>2 x 3 = 6</reasoning><answer>6</answer> then 99", "6"),  # nothing after </answer> is read
+        ("He pays -5 dollars", "-5"),
+        ("no number here", None),
+        ("Answer: ...", None),
+    ],
+)
+def test_lenient_reading_is_the_last_number_up_to_the_closing_answer_tag(text, lenient):
+    assert answers.readings(text, "0")["lenient_answer"] == lenient
+
+
+def test_wilson_interval_by_hand():
+    z = 1.959963984540054  # the normal quantile of a 95% interval
+
+    def by_hand(k, n):
+        centre, half = (k + z * z / 2) / (n + z * z), z / (n + z * z) * math.sqrt(k * (n - k) / n + z * z / 4)
+        return centre - half, centre + half
+
+    for k, n in ((1, 48), (0, 64), (64, 64), (660, 1319)):
+        interval = significance.wilson_interval(k, n)
+        assert (interval["low"], interval["high"]) == pytest.approx(by_hand(k, n), abs=1e-9)
+    assert significance.wilson_interval(1, 48)["high"] == pytest.approx(0.1090, abs=1e-4)  # the "0.1-11%" of 1/48
+    assert significance.wilson_interval(0, 0) is None
+
+
+def test_mcnemar_exact_test_on_a_hand_made_pairing():
+    # 20 problems: both right on 2, only the model on 8, only the parent on 1, neither on 9
+    parent = [True] * 2 + [False] * 8 + [True] + [False] * 9
+    model = [True] * 2 + [True] * 8 + [False] + [False] * 9
+    test = significance.mcnemar(parent, model)
+    # two-sided binomial over the 9 discordant problems: P(X <= 1) + P(X >= 8) = 2 * (1 + 9) / 2**9
+    assert (test["problems"], test["gained"], test["lost"]) == (20, 8, 1)
+    assert test["p_value"] == pytest.approx(20 / 512)
+    assert significance.mcnemar(model, parent)["p_value"] == pytest.approx(20 / 512)  # symmetric
+    assert significance.mcnemar([True, False], [True, False])["p_value"] == 1.0  # no discordant pair
+    with pytest.raises(ValueError, match="same problems"):
+        significance.mcnemar([True], [True, False])
+
+
+def test_paired_comparison_matches_problems_by_id_and_reports_each_reading():
+    formatted = _formatted(["1", "2", "3", "4"])
+    params = EvaluateParams()
+    _, parent = score("base", formatted, ["It is 1", "no idea", _gen("3"), "5"], params)
+    # the tuned model's samples in another order: pairs are matched by id, not by position
+    _, tuned = score("tuned", formatted, [_gen("1"), _gen("2"), "3", _gen("9")], params)
+    test = evaluation.paired_comparison(parent, tuned.iloc[::-1].reset_index(drop=True))
+    assert (test["answer_accuracy"]["gained"], test["answer_accuracy"]["lost"]) == (2, 1)  # q0, q1 / q2
+    assert (test["lenient_accuracy"]["gained"], test["lenient_accuracy"]["lost"]) == (1, 0)  # q1 / -
+    assert (test["format_compliance"]["gained"], test["format_compliance"]["lost"]) == (3, 1)
+    results = {"base": {}, "tuned": {}}
+    evaluation.with_paired(results, {"base": parent, "tuned": tuned}, "base", "tuned")
+    assert results["tuned"]["paired"]["against"] == "base" and "paired" not in results["base"]
+
+
+def test_score_table_gives_each_reading_its_interval_and_the_paired_test():
+    formatted = _formatted(["1", "2", "3", "4"])
+    results, samples = {}, {}
+    for label, texts in (("base", ["1", "x", "x", "x"]), ("tuned", [_gen("1"), _gen("2"), _gen("3"), "x"])):
+        results[label], samples[label] = score(label, formatted, texts, EvaluateParams())
+    evaluation.with_paired(results, samples, "base", "tuned")
+    table = evaluation.score_table(results)
+    assert "| base | 4 | 0.000 [0.000, 0.490] | 0.250 [0.046, 0.699] | 0.000 [0.000, 0.490] |" in table
+    assert "| tuned vs base | +3 / −0, p = 0.25 | +2 / −0, p = 0.5 | +3 / −0, p = 0.25 |" in table
+    assert results["tuned"]["lenient_accuracy_ci95"]["low"] == pytest.approx(0.3006, abs=1e-4)
 
 
 # ---------------------------------------------------------------- score

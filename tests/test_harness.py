@@ -19,14 +19,15 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 
 pytest.importorskip("lm_eval")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from tunix_pipeline import harness  # noqa: E402
-from tunix_pipeline.config import FormatParams, HarnessParams, IngestParams, RuntimeParams, SourceParams  # noqa: E402
+from tunix_pipeline import evaluation, harness  # noqa: E402
+from tunix_pipeline.config import EvaluateParams, FormatParams, HarnessParams, IngestParams, RuntimeParams, SourceParams  # noqa: E402
 from tunix_pipeline.errors import HarnessError  # noqa: E402
 
 from .conftest import ROOT  # noqa: E402
@@ -149,8 +150,8 @@ def test_tagged_answer_prompts_generate_what_our_evaluation_generates(setup, tmp
         assert text == got.pop(0)
 
 
-def test_tagged_answer_task_reads_the_answer_from_tags(tmp_path):
-    """The shipped task scores exactly what is inside <answer>…</answer>, as our own `answer_exact`."""
+def test_tagged_answer_task_reads_answers_as_our_evaluation_does(tmp_path):
+    """The shipped task reads each generation the three ways our evaluation does (strict, lenient, format)."""
     import lm_eval
     from lm_eval.api.model import LM
 
@@ -160,9 +161,10 @@ def test_tagged_answer_task_reads_the_answer_from_tags(tmp_path):
         {"id": "c", "prompt": "Q3", "completion": "<reasoning>r</reasoning><answer>5</answer><end_of_turn>", "answer": "5"},
         {"id": "d", "prompt": "Q4", "completion": "<reasoning>r</reasoning><answer>9</answer><end_of_turn>", "answer": "9"},
     ]
-    answers = {  # what a model answers to each prompt: right (thousands separator dropped), wrong, unclosed, right
+    answers = {  # what a model answers to each prompt: right (thousands separator dropped), wrong, unclosed (its last
+        # number right), right but not the format (no reasoning; what follows </answer> is not read)
         "Q1": "<reasoning>x</reasoning><answer>1200</answer>", "Q2": "<reasoning>x</reasoning><answer>8</answer>",
-        "Q3": "<reasoning>x</reasoning><answer>5", "Q4": " <answer> 9 </answer> and more",
+        "Q3": "<reasoning>x</reasoning><answer>5", "Q4": " <answer> 9 </answer> and 12 more",
     }
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -182,8 +184,14 @@ def test_tagged_answer_task_reads_the_answer_from_tags(tmp_path):
 
     specs, _ = harness.task_specs(["tagged_answer"], path)
     result = lm_eval.simple_evaluate(model=Answers(), tasks=specs, log_samples=False, torch_random_seed=None)
-    assert result["results"]["tagged_answer"]["exact_match,tagged"] == pytest.approx(0.5)
-    assert result["versions"]["tagged_answer"] == 1.0
+    scores = result["results"]["tagged_answer"]
+    assert (scores["strict,none"], scores["lenient,none"], scores["format,none"]) == pytest.approx((0.5, 0.75, 0.5))
+    assert result["versions"]["tagged_answer"] == 2.0
+    # the same three readings as our own evaluation of the same texts
+    ours, _ = evaluation.score("m", pd.DataFrame(rows).assign(open_ended=False),
+                               [answers[r["prompt"]] for r in rows], EvaluateParams())
+    assert (ours["answer_accuracy"], ours["lenient_accuracy"], ours["format_compliance"]) == pytest.approx(
+        (0.5, 0.75, 0.5))
 
     # few-shot examples are whole tagged completions of the other rows, never the document's own
     contexts.clear()

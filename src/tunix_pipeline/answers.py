@@ -15,6 +15,8 @@ GEMMA_END_OF_TURN = "<end_of_turn>"
 TAGS = ("<reasoning>", "</reasoning>", "<answer>", "</answer>")
 _TAGGED = re.compile(r"^\s*<reasoning>(.*?)</reasoning>\s*<answer>(.*?)</answer>\s*$", re.S)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+# lm-evaluation-harness's gsm8k "flexible-extract": a run of digits, signs, $ . and , (or a lone digit)
+_NUMBER = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
 
 
 def render(reasoning: str, answer: str) -> str:
@@ -37,6 +39,23 @@ def extract_answer(text: str) -> str | None:
     """The text inside the first <answer>…</answer>, or None."""
     match = _ANSWER.search(text)
     return match.group(1).strip() if match else None
+
+
+def through_answer(text: str) -> str:
+    """The text up to and including its first `</answer>`: generation stops there, so what a model would write
+    after it is never read, whichever backend generated it."""
+    head, closed, _ = text.partition(TAGS[3])
+    return head + closed
+
+
+def last_number(text: str) -> str | None:
+    """The lenient reading (GSM8K's flexible rule): the last number in the text, without $, commas or a final
+    period."""
+    numbers = _NUMBER.findall(text)
+    if not numbers:
+        return None
+    last = next(group for group in numbers[-1] if group)
+    return last.replace("$", "").replace(",", "").rstrip(".") or None
 
 
 def clean(completion) -> str:
@@ -68,6 +87,17 @@ def answers_match(predicted: str | None, reference: str, tolerance: float) -> bo
         return True
     x, y = number(predicted), number(reference)
     return x is not None and y is not None and abs(x - y) <= tolerance
+
+
+def readings(completion, reference, tolerance: float = 1e-6) -> dict:
+    """A completion read the three ways evaluation reports (the same rule for our backend and lm-eval's):
+    `strict` (the answer inside a closed `<answer>` tag is right), `lenient` (the last number is right) and
+    `format` (exactly the reasoning format); `extracted` / `lenient_answer`: what each reading found."""
+    text = through_answer(clean(completion))
+    extracted, lenient = extract_answer(text), last_number(text)
+    return {"text": text, "extracted": extracted, "lenient_answer": lenient,
+            "strict": answers_match(extracted, str(reference), tolerance),
+            "lenient": answers_match(lenient, str(reference), tolerance), "format": well_formed(text)}
 
 
 def answer_score(predicted: str | None, reference, tolerance: float = 1e-6) -> float:

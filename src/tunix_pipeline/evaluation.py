@@ -1,9 +1,14 @@
 """Evaluation: eval loss, the metrics people compare, and the report; the generation it scores is `generation`'s.
 
-Metrics per model (`score`):
-- `answer_exact`: the extracted answer equals the reference (after trimming and removing commas);
-- `answer_accuracy`: exact, or numerically equal within `numeric_tolerance`;
+Every answer is read three ways (`score`), base and tuned given the same prompt (the recipe's
+`format.system_prompt` states the format):
+- `answer_accuracy` (strict): the answer inside a closed `<answer>…</answer>` equals the reference, exactly or
+  numerically within `numeric_tolerance`;
+- `lenient_accuracy`: GSM8K's flexible rule, the last number in the completion (`answers.last_number`);
 - `format_compliance`: exactly `<reasoning>…</reasoning><answer>…</answer>`, each tag once;
+each with its 95% Wilson interval (`<metric>_ci95`); `paired` sets a tuned model against its parent on the same
+problems (McNemar's exact test, `paired_comparison`). Further metrics:
+- `answer_exact`: the extracted answer equals the reference (after trimming and removing commas);
 - `missing_answer`: no closed `<answer>…</answer>` (e.g. a model that never closes its tags);
 - `truncated`: generation stopped at `max_new_tokens` without an end-of-turn;
 - `mean_completion_tokens` / `mean_completion_chars`;
@@ -30,18 +35,21 @@ import numpy as np
 import pandas as pd
 from flax import nnx
 
-from tunix_pipeline.answers import answers_match, clean, extract_answer, normal, well_formed
+from tunix_pipeline.answers import answers_match, clean, normal, readings
 from tunix_pipeline.config import EvaluateParams
 from tunix_pipeline.formatting import is_open_ended
 from tunix_pipeline.generation import Generator, select_prompts
 from tunix_pipeline.loss import model_inputs, token_nll
 from tunix_pipeline.runtime import process_rows, shard_rows
+from tunix_pipeline.significance import mcnemar, wilson_interval
 from tunix_pipeline.training import eval_batches
 
 SAMPLE_COLUMNS = [
     "model", "id", "sample", "prompt", "reference", "open_ended", "generated", "extracted",
-    "correct", "exact", "well_formed", "judge_score", "completion_tokens", "truncated",
+    "correct", "exact", "lenient", "lenient_correct", "well_formed", "judge_score", "completion_tokens", "truncated",
 ]
+# the three readings of an answer: each gets an interval, and a tuned model's paired test against its parent
+READINGS = {"answer_accuracy": "correct", "lenient_accuracy": "lenient_correct", "format_compliance": "well_formed"}
 
 
 # ---------------------------------------------------------------- eval loss
@@ -124,8 +132,11 @@ def score(
         "open_ended_prompts": sum(map(is_open_ended, records)),
         "samples": len(rows),
         "answer_accuracy": _mean(r["correct"] for r in answered),
-        "answer_exact": _mean(r["exact"] for r in answered),
+        "lenient_accuracy": _mean(r["lenient_correct"] for r in answered),
         "format_compliance": _mean(r["well_formed"] for r in rows),
+        **{f"{name}_ci95": _interval(r[column] for r in (rows if name == "format_compliance" else answered))
+           for name, column in READINGS.items()},
+        "answer_exact": _mean(r["exact"] for r in answered),
         "missing_answer": _mean(r["extracted"] is None for r in answered),
         "truncated": _mean(r["truncated"] for r in rows) if have_tokens else None,
         "mean_completion_tokens": _mean(r["completion_tokens"] for r in rows) if have_tokens else None,
@@ -140,9 +151,9 @@ def score(
 
 def _sample(label: str, record: dict, sample: int, text, n_tokens: int | None, params: EvaluateParams) -> dict:
     """One generation's row; `correct` and `exact` are None for an open-ended record (no answer to match)."""
-    text = clean(text)
-    extracted = extract_answer(text)
     reference = str(record["answer"])
+    read = readings(text, reference, params.numeric_tolerance)
+    text, extracted = read["text"], read["extracted"]
     open_ended = is_open_ended(record)
     return {
         "model": label,
@@ -153,9 +164,11 @@ def _sample(label: str, record: dict, sample: int, text, n_tokens: int | None, p
         "open_ended": open_ended,
         "generated": text,
         "extracted": extracted,
-        "correct": None if open_ended else answers_match(extracted, reference, params.numeric_tolerance),
+        "correct": None if open_ended else read["strict"],
         "exact": None if open_ended else exact_match(extracted, reference),
-        "well_formed": well_formed(text),
+        "lenient": read["lenient_answer"],
+        "lenient_correct": None if open_ended else read["lenient"],
+        "well_formed": read["format"],
         "judge_score": None,
         "completion_tokens": n_tokens,
         "truncated": n_tokens is not None and n_tokens >= params.max_new_tokens,
@@ -165,6 +178,21 @@ def _sample(label: str, record: dict, sample: int, text, n_tokens: int | None, p
 def _mean(values) -> float | None:
     values = [float(v) for v in values]
     return float(np.mean(values)) if values else None
+
+
+def _interval(values) -> dict | None:
+    values = [bool(v) for v in values]
+    return wilson_interval(sum(values), len(values))
+
+
+def paired_comparison(parent: pd.DataFrame, model: pd.DataFrame) -> dict:
+    """`model`'s samples against its `parent`'s on the problems both answered (matched by id and sample): per
+    reading, McNemar's exact p and how many problems each got right that the other missed."""
+    answered = ["id", "sample", *READINGS.values()]
+    both = parent.loc[~parent["open_ended"].astype(bool), answered].merge(
+        model.loc[~model["open_ended"].astype(bool), answered], on=["id", "sample"], suffixes=("_parent", ""))
+    return {name: mcnemar(both[f"{column}_parent"].astype(bool).tolist(), both[column].astype(bool).tolist())
+            for name, column in READINGS.items()}
 
 
 def _per_prompt_metrics(rows: list[dict], k: int, tolerance: float) -> dict:
@@ -205,6 +233,35 @@ def _cell(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+def _with_interval(metrics: dict, name: str) -> str:
+    value, interval = metrics.get(name), metrics.get(f"{name}_ci95")
+    if value is None:
+        return "—"
+    return f"{value:.3f} [{interval['low']:.3f}, {interval['high']:.3f}]" if interval else f"{value:.3f}"
+
+
+def score_table(metrics: dict[str, dict]) -> str:
+    """The fair score: each model's three readings with their 95% intervals, then each tuned model against its
+    parent (`paired`): per reading, problems only it got right (+), only the parent (−), McNemar's exact p."""
+    lines = ["| model | problems | strict | lenient | format |", "|---|---|---|---|---|"]
+    for label, m in metrics.items():
+        problems = (m.get("prompts") or 0) - (m.get("open_ended_prompts") or 0)
+        lines.append(f"| {label} | {problems} | " + " | ".join(_with_interval(m, name) for name in READINGS) + " |")
+    paired = [(label, m["paired"]) for label, m in metrics.items() if m.get("paired")]
+    if paired:
+        lines += ["", "| paired test | strict | lenient | format |", "|---|---|---|---|"]
+        for label, test in paired:
+            cells = [f"+{t['gained']} / −{t['lost']}, p = {t['p_value']:.2g}" for t in (test[n] for n in READINGS)]
+            lines.append(f"| {label} vs {test['against']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def with_paired(results: dict[str, dict], samples: dict[str, pd.DataFrame], parent: str, model: str) -> None:
+    """Adds `model`'s paired test against `parent` to its metrics (both scored on the same problems)."""
+    if parent in results and model in results and len(samples[model]):
+        results[model]["paired"] = {"against": parent, **paired_comparison(samples[parent], samples[model])}
 
 
 def markdown_table(metrics: dict[str, dict], delta: tuple[str, str] | None = None) -> str:

@@ -88,7 +88,9 @@ def task_specs(tasks: list[str], rows: Path | None, data_files: dict | None = No
             if rows is None:
                 raise HarnessError(f"evaluate.harness: the {TAGGED_TASK} task needs eval rows with an answer "
                                    "(ingest.eval_fraction > 0; open-ended rows have none)")
-            config = yaml.safe_load((TASKS_DIR / f"{TAGGED_TASK}.yaml").read_text())
+            from lm_eval.tasks._yaml_loader import load_yaml  # lm-eval's own reader: it resolves `!function`
+
+            config = load_yaml(str(TASKS_DIR / f"{TAGGED_TASK}.yaml"), resolve_func=True)
             # the rows' Arrow cache beside them (a temporary folder), not in ~/.cache
             config["dataset_kwargs"] = {"data_files": {"test": str(rows)}, "cache_dir": str(rows.parent / "datasets")}
             specs.append(config)

@@ -78,23 +78,23 @@ def evaluate_models(
         harness_lib.check(params.harness)  # before any weights load
     network, evaluator = _evaluator(eval_tokens, eval_formatted, base_model, sft_result, model, params, runtime)
     harness = _harness(network, evaluator, base_model, eval_formatted, params)
-    results, samples, harness_results = {}, [], {}
+    results, samples, harness_results = {}, {}, {}
     if params.compare_base_model:
-        results["base"], base_samples = evaluator.measure("base")
-        samples.append(base_samples)
+        results["base"], samples["base"] = evaluator.measure("base")
         if harness:
             harness_results["base"] = harness.measure("base")
     step = restore_required(network, sft_result["checkpoint_dir"], "sft", "evaluate")
-    results["tuned"], tuned_samples = evaluator.measure("tuned")
+    results["tuned"], samples["tuned"] = evaluator.measure("tuned")
     results["tuned"]["checkpoint_step"] = step
-    samples.append(tuned_samples)
     if harness:
         harness_results["tuned"] = harness.measure("tuned")
         harness.close()
-    report = "# Evaluation\n\n" + evaluation.markdown_table(results, delta=("base", "tuned") if "base" in results else None)
+    evaluation.with_paired(results, samples, "base", "tuned")
+    report = "# Evaluation\n\n" + evaluation.score_table(results) + "\n"
+    report += evaluation.markdown_table(results, delta=("base", "tuned") if "base" in results else None)
     report += evaluation.open_ended_note(results)
     report = _with_harness(results, report, harness_results, ("base", "tuned"))
-    return results, pd.concat(samples, ignore_index=True), report, curve
+    return results, pd.concat(samples.values(), ignore_index=True), report, curve
 
 
 def evaluate_after(stage: Stage):
@@ -141,12 +141,11 @@ def _after_stage(stage: Stage, title, eval_tokens, eval_formatted, base_model, s
     network, evaluator = _evaluator(eval_tokens, eval_formatted, base_model, sft_result, model, params, runtime)
     harness = _harness(network, evaluator, base_model, eval_formatted, params)
     start = result["start_stage"]  # the policy it started from, labelled with the stage that trained it
-    results, samples, harness_results = {}, [], {}
+    results, samples, harness_results = {}, {}, {}
     for label, checkpoint_dir in ((start, result["start_checkpoint_dir"]), (stage.name, result["checkpoint_dir"])):
         step = restore_required(network, checkpoint_dir, label, "evaluate")
-        results[label], rows = evaluator.measure(label)
+        results[label], samples[label] = evaluator.measure(label)
         results[label]["checkpoint_step"] = step
-        samples.append(rows)
         if harness:
             harness_results[label] = harness.measure(label)
     if harness:
@@ -154,10 +153,12 @@ def _after_stage(stage: Stage, title, eval_tokens, eval_formatted, base_model, s
     if "heldout_pair_accuracy" in result:
         results[stage.name]["heldout_pair_accuracy"] = result["heldout_pair_accuracy"]
         results[start]["heldout_pair_accuracy"] = result["heldout_pair_accuracy_before"]
-    report = f"# Evaluation after {title}\n\n" + evaluation.markdown_table(results, delta=(start, stage.name))
+    evaluation.with_paired(results, samples, start, stage.name)
+    report = f"# Evaluation after {title}\n\n" + evaluation.score_table(results) + "\n"
+    report += evaluation.markdown_table(results, delta=(start, stage.name))
     report += evaluation.open_ended_note(results)
     if result.get("reward_trend"):
         rewards = ", ".join(f"{h['reward']:.2f}" for h in result["history"] if h.get("reward") is not None)
         report += f"\nGRPO's {result['reward_trend']['summary']} ({rewards}).\n"
     report = _with_harness(results, report, harness_results, (start, stage.name))
-    return results, pd.concat(samples, ignore_index=True), report
+    return results, pd.concat(samples.values(), ignore_index=True), report
