@@ -80,3 +80,25 @@ def test_open_ended_records_keep_their_mark_and_a_prompt_only_one_has_no_complet
     assert out.loc[1, "completion"] == "<reasoning></reasoning><answer>Rain falls.</answer><end_of_turn>"
     assert out.loc[2, "completion"] == "" and out.loc[2, "prompt"].endswith("<start_of_turn>model\n")
     assert format_records(records.drop(columns="open_ended"), tokenizer, FormatParams())["open_ended"].eq(False).all()
+
+
+def test_the_split_of_eval_records_reaches_the_formatted_rows(tmp_path, tokenizer):
+    import json
+
+    from tunix_pipeline.config import IngestParams, SourceParams
+    from tunix_pipeline.ingest import ingest
+
+    def qa(name, questions):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in questions))
+        return str(path)
+
+    _, evaluation, _ = ingest(IngestParams(sources=[
+        SourceParams(name="train", path=qa("train.jsonl", [f"t{i}?" for i in range(10)]), format="gsm8k"),
+        SourceParams(name="test", path=qa("test.jsonl", ["e1?", "e2?"]), format="gsm8k", eval_only=True),
+    ], eval_fraction=0.2))
+    out = format_records(evaluation, tokenizer, FormatParams())
+    assert out.groupby("split")["source"].agg(set).to_dict() == {"dev": {"train"}, "test": {"test"}}
+    assert out["split"].value_counts().to_dict() == {"dev": 2, "test": 2}
+    # eval records written before the column existed were all carved from training: "dev"
+    assert format_records(evaluation.drop(columns="split"), tokenizer, FormatParams())["split"].eq("dev").all()

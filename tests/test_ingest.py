@@ -32,9 +32,10 @@ def test_committed_sources_in_three_formats():
         )
     )
     assert report["totals"] == {
-        "rows_read": 400, "kept": 400, "dropped": 0, "duplicates": 0, "calculator_annotations_removed": 0,
-        "train_rows": 360, "eval_rows": 40,
+        "rows_read": 400, "kept": 400, "dropped": 0, "duplicates": 0, "overlap_with_eval_only": 0,
+        "calculator_annotations_removed": 0, "train_rows": 360, "eval_rows": 40, "dev_rows": 40, "test_rows": 0,
     }
+    assert set(train["split"]) == {"train"} and set(evaluation["split"]) == {"dev"}
     assert set(train["source"]) == {"gsm", "alpaca", "chat"}
     assert not set(train["id"]) & set(evaluation["id"])
     chat = train[train["source"] == "chat"].iloc[0]
@@ -260,3 +261,74 @@ def test_rows_of_the_answer_formats_are_not_open_ended(tmp_path):
     path = _jsonl(tmp_path / "qa.jsonl", [{"question": "1+1?", "answer": "#### 2"}])
     train, _, _ = ingest(_params(SourceParams(name="qa", path=path, format="gsm8k")))
     assert train["open_ended"].tolist() == [False]
+
+
+def _qa(path, questions):
+    return _jsonl(path, [{"question": q, "answer": f"#### {i}"} for i, q in enumerate(questions)])
+
+
+def test_eval_only_rows_are_test_rows_and_their_questions_are_left_out_of_training(tmp_path, caplog):
+    train_questions = [f"Train question {i}?" for i in range(20)] + ["What  is 2+2?", "Name the capital of France."]
+    train_path = _qa(tmp_path / "train.jsonl", train_questions)
+    test_path = _qa(tmp_path / "test.jsonl", ["what is 2+2? ", "NAME the capital\nof France.", "Held out 3?"])
+    # listed after the training source: still read first, so its questions leave training
+    train, evaluation, report = ingest(_params(
+        SourceParams(name="gsm", path=train_path, format="gsm8k"),
+        SourceParams(name="gsm_test", path=test_path, format="gsm8k", eval_only=True),
+        eval_fraction=0.25,
+    ))
+    test = evaluation[evaluation["split"] == "test"]
+    assert sorted(test["prompt"]) == sorted(["what is 2+2?", "NAME the capital\nof France.", "Held out 3?"])
+    assert set(test["source"]) == {"gsm_test"}
+    dev = evaluation[evaluation["split"] == "dev"]
+    assert len(dev) == 5 and set(dev["source"]) == {"gsm"}  # 25% of the 20 rows left
+    assert set(train["split"]) == {"train"} and len(train) == 15
+    assert not {"What  is 2+2?", "Name the capital of France."} & (set(train["prompt"]) | set(dev["prompt"]))
+
+    gsm, gsm_test = report["sources"]["gsm"], report["sources"]["gsm_test"]
+    assert list(report["sources"]) == ["gsm", "gsm_test"]  # as configured
+    assert (gsm["eval_only"], gsm["overlap_with_eval_only"], gsm["kept"], gsm["train_rows"], gsm["eval_rows"]) == (
+        False, 2, 20, 15, 5)
+    assert (gsm_test["eval_only"], gsm_test["kept"], gsm_test["train_rows"], gsm_test["eval_rows"]) == (True, 3, 0, 3)
+    assert "overlap_with_eval_only" not in gsm_test
+    totals = report["totals"]
+    assert (totals["train_rows"], totals["eval_rows"], totals["dev_rows"], totals["test_rows"]) == (15, 8, 5, 3)
+    assert totals["overlap_with_eval_only"] == 2 and totals["duplicates"] == 0
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "left out of training 2 rows whose question is an eval-only source's: {'gsm': 2}"]
+
+
+def test_eval_only_rows_take_no_eval_fraction_and_no_weight(tmp_path):
+    train_path = _qa(tmp_path / "train.jsonl", [f"t{i}?" for i in range(10)])
+    test_path = _qa(tmp_path / "test.jsonl", [f"e{i}?" for i in range(10)])
+    train, evaluation, report = ingest(_params(
+        SourceParams(name="test", path=test_path, format="gsm8k", eval_only=True),
+        SourceParams(name="train", path=train_path, format="gsm8k", weight=2.0),
+        eval_fraction=0.0,
+    ))
+    assert evaluation["split"].tolist() == ["test"] * 10 and len(train) == 20
+    assert report["totals"]["overlap_with_eval_only"] == 0 and report["totals"]["dev_rows"] == 0
+
+
+def test_eval_only_config_errors(tmp_path):
+    with pytest.raises(ValueError, match="source 'test': `weight` scales a source's training rows.*`eval_only`"):
+        SourceParams(name="test", path="test.jsonl", format="gsm8k", eval_only=True, weight=2.0)
+    with pytest.raises(ValueError, match=r"every source \(a, b\) sets `eval_only: true`; at least one must be a tr"):
+        _params(SourceParams(name="a", path="a.jsonl", format="gsm8k", eval_only=True),
+                SourceParams(name="b", path="b.jsonl", format="gsm8k", eval_only=True))
+
+
+def test_a_training_source_whose_every_question_is_held_out_says_so(tmp_path):
+    path = _qa(tmp_path / "qa.jsonl", ["q?"])
+    with pytest.raises(DataError, match=r"'train' \(.*\): 1 rows read, dropped none, 1 asking an eval-only source's"):
+        ingest(_params(SourceParams(name="test", path=path, format="gsm8k", eval_only=True),
+                       SourceParams(name="train", path=path, format="gsm8k")))
+
+
+def test_gsm8k_test_split_ships_beside_the_train_split():
+    gsm8k = ROOT / "data" / "01_raw" / "gsm8k"
+    _, evaluation, report = ingest(_params(
+        SourceParams(name="gsm8k", path=str(gsm8k / "train.jsonl"), format="gsm8k", max_rows=50),
+        SourceParams(name="gsm8k_test", path=str(gsm8k / "test.jsonl"), format="gsm8k", eval_only=True, max_rows=50),
+    ))
+    assert report["totals"]["test_rows"] == 50 and set(evaluation["split"]) == {"test"}

@@ -7,6 +7,7 @@ The completion is `<reasoning>…</reasoning><answer>…</answer>` plus the
 end-of-turn marker, kept apart from the prompt so the loss can skip it.
 An open-ended row (`open_ended`: no answer to match) renders its reference the
 same way; one without a reference has an empty completion (a prompt only).
+Each row keeps its record's `split` (an eval row's says "dev" or "test").
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from tunix_pipeline.answers import GEMMA_END_OF_TURN, render
 from tunix_pipeline.config import FormatParams
 from tunix_pipeline.ingest import conversation
 
-FORMATTED_COLUMNS = ["id", "source", "prompt", "completion", "answer", "open_ended"]
+FORMATTED_COLUMNS = ["id", "source", "prompt", "completion", "answer", "open_ended", "split"]
 
 
 def _conversation(record: dict, system_prompt: str | None) -> list[dict]:
@@ -59,6 +60,12 @@ def is_open_ended(row: dict) -> bool:
     return bool(row.get("open_ended", False))
 
 
+def split_of(row: dict) -> str:
+    """A record's split: "train", "dev" or "test" (eval records from before the column existed were all "dev")."""
+    split = row.get("split")
+    return split if isinstance(split, str) and split else "dev"
+
+
 def answer_rows(formatted: pd.DataFrame) -> pd.DataFrame:
     """The rows that have an answer to match."""
     return formatted[~formatted["open_ended"].astype(bool)] if "open_ended" in formatted else formatted
@@ -72,7 +79,7 @@ def format_records(records: pd.DataFrame, tokenizer, params: FormatParams) -> pd
         prompt = render_prompt(_conversation(record, params.system_prompt), tokenizer, params)
         completion = render(record["reasoning"], record["answer"]) + closing if record["answer"] else ""
         row = {"id": record["id"], "source": record["source"], "prompt": prompt, "completion": completion,
-               "answer": record["answer"], "open_ended": is_open_ended(record)}
+               "answer": record["answer"], "open_ended": is_open_ended(record), "split": split_of(record)}
         if pairs:  # a preference record: its rejected answer in the same format
             row["rejected"] = render(record["rejected_reasoning"], record["rejected_answer"]) + closing
         rows.append(row)

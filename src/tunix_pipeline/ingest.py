@@ -3,7 +3,8 @@
 Record schema: id, source, prompt (str or None), messages (list of
 {role, content} or None), reasoning (str, may be empty), answer (str),
 open_ended (bool: an `open` row, with no answer to match; its answer is its
-reference's, empty when it has none).
+reference's, empty when it has none), split ("train"; an eval record's is
+"dev", carved from the training sources, or "test", an `eval_only` source's).
 Every source row becomes a record, is counted as a duplicate, or is dropped
 with its location (file and line), a stable reason slug (e.g.
 `missing_column:answer`, the metric name) and a sentence for people;
@@ -17,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import random
 import re
 from collections import Counter
@@ -29,10 +31,13 @@ from tunix_pipeline.config import IngestParams, SourceParams
 from tunix_pipeline.fields import BadRow, json_type
 from tunix_pipeline.readers import FORMAT_FIELDS, DataError, read_rows, selection
 
-RECORD_COLUMNS = ["id", "source", "prompt", "messages", "reasoning", "answer", "open_ended"]
+# split: "train", or for eval records "dev" (carved by `eval_fraction`) or "test" (an `eval_only` source's)
+RECORD_COLUMNS = ["id", "source", "prompt", "messages", "reasoning", "answer", "open_ended", "split"]
 # preference records: reasoning/answer are the chosen answer's, these the rejected one's
 REJECTED_COLUMNS = ["rejected_reasoning", "rejected_answer"]
 MAX_DROPPED_ROWS_IN_REPORT = 10_000  # per source; the counts stay exact beyond it
+
+log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 _SLUG_WORD = re.compile(r"[A-Za-z0-9_-]{1,32}")
@@ -174,50 +179,86 @@ def _record_id(record: dict) -> str:
 
 # ---------------------------------------------------------------- the stage
 def ingest(params: IngestParams) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
-    """All sources -> (train records, eval records, data-quality report)."""
+    """All sources -> (train records, eval records, data-quality report).
+
+    Eval records are split "dev" (carved from the training sources by `eval_fraction`) or "test" (the rows
+    of `eval_only` sources). Those are read first, so that a training row asking one of their questions
+    is left out wherever the source is listed.
+    """
     rng = random.Random(params.seed)
-    report = {"sources": {}, "totals": {}}
-    train, evaluation, seen = [], [], set()
-    for source in params.sources:
-        records, stats = _source_records(source, params, seen)
-        rng.shuffle(records)
-        n_eval = round(len(records) * params.eval_fraction)
-        evaluation.extend(records[:n_eval])
-        source_train = _apply_weight(records[n_eval:], source.weight, rng)
-        train.extend(source_train)
-        stats.update(
+    stats, train, dev, test, seen, held_out = {}, [], [], [], set(), set()
+    for source in sorted(params.sources, key=lambda s: not s.eval_only):  # stable: list order within each
+        records, source_stats = _source_records(source, params, seen, held_out)
+        if source.eval_only:
+            held_out.update(_question(r) for r in records)
+            source_train, source_eval = [], _with_split(records, "test")
+            test.extend(source_eval)
+        else:
+            rng.shuffle(records)
+            n_eval = round(len(records) * params.eval_fraction)
+            source_eval = _with_split(records[:n_eval], "dev")
+            source_train = _apply_weight(_with_split(records[n_eval:], "train"), source.weight, rng)
+            dev.extend(source_eval)
+            train.extend(source_train)
+        source_stats.update(
             kept=len(records),
             train_rows=len(source_train),
-            eval_rows=n_eval,
-            dropped_total=sum(stats["dropped"].values()),
-            dropped=dict(stats["dropped"]),
-            read=stats.pop("read"),  # last, as the report has always listed it
+            eval_rows=len(source_eval),
+            dropped_total=sum(source_stats["dropped"].values()),
+            dropped=dict(source_stats["dropped"]),
+            read=source_stats.pop("read"),  # last, as the report has always listed it
         )
-        report["sources"][source.name] = stats
+        stats[source.name] = source_stats
 
-    empty = [name for name, s in report["sources"].items() if s["kept"] == 0]
+    report = {"sources": {s.name: stats[s.name] for s in params.sources}}  # in the order configured
+    empty = [source for source in params.sources if stats[source.name]["kept"] == 0]
     if empty:
-        raise DataError("these sources gave no usable rows: " + "; ".join(
-            _no_rows(source, report["sources"][source.name]) for source in params.sources if source.name in empty
-        ))
+        raise DataError("these sources gave no usable rows: " + "; ".join(_no_rows(s, stats[s.name]) for s in empty))
     rng.shuffle(train)
-    report["totals"] = {
-        "rows_read": sum(s["rows_read"] for s in report["sources"].values()),
-        "kept": sum(s["kept"] for s in report["sources"].values()),
-        "dropped": sum(s["dropped_total"] for s in report["sources"].values()),
-        "duplicates": sum(s["duplicates"] for s in report["sources"].values()),
-        "calculator_annotations_removed": sum(
-            s.get("calculator_annotations", {}).get("removed", 0) for s in report["sources"].values()),
-        "train_rows": len(train),
-        "eval_rows": len(evaluation),
-    }
+    report["totals"] = _totals(stats.values(), train=len(train), dev=len(dev), test=len(test))
+    if report["totals"]["overlap_with_eval_only"]:
+        overlaps = {name: s["overlap_with_eval_only"] for name, s in stats.items() if s.get("overlap_with_eval_only")}
+        log.warning("left out of training %d rows whose question is an eval-only source's: %s",
+                       report["totals"]["overlap_with_eval_only"], overlaps)
     columns = RECORD_COLUMNS + (REJECTED_COLUMNS if params.sources[0].format == "preference" else [])
-    return _frame(train, columns), _frame(evaluation, columns), report
+    return _frame(train, columns), _frame(dev + test, columns), report
 
 
-def _source_records(source: SourceParams, params: IngestParams, seen: set) -> tuple[list[dict], dict]:
-    """One source's records (not in `seen`, which grows) and its counts: rows read, duplicates, drops by reason."""
-    stats = {"rows_read": 0, "kept": 0, "duplicates": 0, "dropped": Counter(), "dropped_rows": []}
+def _with_split(records: list[dict], split: str) -> list[dict]:
+    for record in records:
+        record["split"] = split
+    return records
+
+
+def _totals(sources, train: int, dev: int, test: int) -> dict:
+    sources = list(sources)
+    return {
+        "rows_read": sum(s["rows_read"] for s in sources),
+        "kept": sum(s["kept"] for s in sources),
+        "dropped": sum(s["dropped_total"] for s in sources),
+        "duplicates": sum(s["duplicates"] for s in sources),
+        "overlap_with_eval_only": sum(s.get("overlap_with_eval_only", 0) for s in sources),
+        "calculator_annotations_removed": sum(s.get("calculator_annotations", {}).get("removed", 0) for s in sources),
+        "train_rows": train,
+        "eval_rows": dev + test,
+        "dev_rows": dev,
+        "test_rows": test,
+    }
+
+
+def _question(record: dict) -> str:
+    """What a record asks, to match it across sources: its user turns, whitespace collapsed, case-folded."""
+    text = " ".join(m["content"] for m in conversation(record) if m["role"] == "user")
+    return " ".join(text.split()).casefold()
+
+
+def _source_records(source: SourceParams, params: IngestParams, seen: set, held_out: set) -> tuple[list[dict], dict]:
+    """One source's records (not in `seen`, which grows; a training source's not asking a question in `held_out`)
+    and its counts: rows read, duplicates, overlaps, drops by reason."""
+    stats = {"eval_only": source.eval_only, "rows_read": 0, "kept": 0, "duplicates": 0}
+    if not source.eval_only:
+        stats["overlap_with_eval_only"] = 0
+    stats.update(dropped=Counter(), dropped_rows=[])
     if source.strips_calculator_annotations:
         stats["calculator_annotations"] = {"rows": 0, "removed": 0}  # in the kept rows
     records, digest = [], hashlib.sha256()
@@ -242,6 +283,10 @@ def _source_records(source: SourceParams, params: IngestParams, seen: set) -> tu
         stripped = _strip_calculator_annotations(record) if source.strips_calculator_annotations else 0
         record["id"] = _record_id(record)
         record["source"] = source.name
+        # a test question trained on would inflate the test score: checked before (and whatever) `dedup`
+        if not source.eval_only and held_out and _question(record) in held_out:
+            stats["overlap_with_eval_only"] += 1
+            continue
         if params.dedup and record["id"] in seen:
             stats["duplicates"] += 1
             continue
@@ -267,6 +312,8 @@ def _strip_calculator_annotations(record: dict) -> int:
 def _no_rows(source: SourceParams, stats: dict) -> str:
     where = source.path if source.path is not None else f"{source.hf.path}[{source.hf.split}]"
     text = f"'{source.name}' ({where}): {stats['rows_read']} rows read, dropped {stats['dropped'] or 'none'}"
+    if stats.get("overlap_with_eval_only"):
+        text += f", {stats['overlap_with_eval_only']} asking an eval-only source's question"
     if stats["dropped_rows"]:
         first = stats["dropped_rows"][0]
         text += f" (first: {first['location']}: {first['message']})"

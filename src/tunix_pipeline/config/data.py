@@ -35,11 +35,17 @@ class SourceParams(Strict):
     strip_calculator_annotations: bool | None = None
     weight: float = Field(1.0, gt=0, description="multiplies this source's share of train rows")
     max_rows: int | None = Field(None, gt=0)
+    # a held-out test set (e.g. GSM8K's test.jsonl): every row goes to the eval records as split "test", none to
+    # training, and training rows asking one of its questions are dropped
+    eval_only: bool = False
 
     @model_validator(mode="after")
     def _one_location(self):
         if (self.path is None) == (self.hf is None):
             raise ValueError(f"source '{self.name}': set exactly one of `path` or `hf`")
+        if self.eval_only and self.weight != 1:
+            raise ValueError(f"source '{self.name}': `weight` scales a source's training rows and an `eval_only` "
+                             "source has none; remove `weight` or `eval_only`")
         for field, spec in self.columns.items():
             if spec.count("{") != spec.count("}") or "{}" in spec:
                 raise ValueError(f"source '{self.name}': columns.{field} = {spec!r} is not a column, a nested `a.b` field "
@@ -70,6 +76,9 @@ class IngestParams(Strict):
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
             raise ValueError(f"source names must be unique, got {names}")
+        if all(s.eval_only for s in self.sources):
+            raise ValueError(f"every source ({', '.join(names)}) sets `eval_only: true`; at least one must be a "
+                             "training source (without `eval_only`)")
         pairs = [s.name for s in self.sources if s.format == "preference"]
         if pairs and len(pairs) != len(self.sources):
             raise ValueError(
