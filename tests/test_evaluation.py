@@ -134,6 +134,13 @@ def test_score_table_gives_each_reading_its_interval_and_the_paired_test():
     assert results["tuned"]["lenient_accuracy_ci95"]["low"] == pytest.approx(0.3006, abs=1e-4)
 
 
+def test_models_are_scored_on_the_test_split_when_there_is_one():
+    rows = _formatted(["1", "2", "3", "4"]).assign(split=["dev", "test", "dev", "test"])
+    assert generation.scored_split(rows)["id"].tolist() == ["q1", "q3"]
+    assert generation.scored_split(rows.assign(split="dev"))["id"].tolist() == ["q0", "q1", "q2", "q3"]
+    assert generation.scored_split(rows.drop(columns="split"))["id"].tolist() == ["q0", "q1", "q2", "q3"]
+
+
 # ---------------------------------------------------------------- score
 def test_score_one_sample_per_prompt():
     params = EvaluateParams(max_new_tokens=10)

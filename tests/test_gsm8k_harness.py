@@ -122,3 +122,60 @@ def test_generation_prefill_makes_only_the_last_positions_logits(exported):
     assert temporaries(jax.jit(sampler._prefill_fn)) > logits_bytes  # Tunix's
     assert temporaries(sampler._prefills[1]) < logits_bytes / 4  # ours
     assert model.config.num_embed == 262144
+
+
+INSTRUCTION = ("Solve the math problem. Show your reasoning inside <reasoning></reasoning>, then give only the final "
+               "number inside <answer></answer>.")  # conf/gemma3_270m_gsm8k_cpu's format.system_prompt
+
+
+def test_the_fair_score_is_the_same_from_our_evaluation_and_lm_evals_hf_backend(exported, tmp_path):
+    """GSM8K test problems in the recipe's prompt (the chat template with the format instruction): our evaluation
+    (`Generator`, `evaluation.score`) and lm-eval's `hf` backend through the shipped tagged_answer task read every
+    generation alike, strict, lenient and format, so the scores are equal."""
+    import pandas as pd
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoTokenizer
+
+    from tunix_pipeline import evaluation
+    from tunix_pipeline.config import EvaluateParams, FormatParams, IngestParams, SourceParams
+    from tunix_pipeline.formatting import format_records
+    from tunix_pipeline.generation import Generator, select_prompts
+    from tunix_pipeline.ingest import ingest
+    from tunix_pipeline.models import load_pretrained
+
+    folder, mesh = exported
+    problems, new_tokens = 4, 96
+    _, records, _ = ingest(IngestParams(sources=[
+        SourceParams(name="train", path=str(GSM8K / "train.jsonl"), format="gsm8k", max_rows=8),
+        SourceParams(name="test", path=str(GSM8K / "test.jsonl"), format="gsm8k", max_rows=problems, eval_only=True),
+    ], eval_fraction=0.25))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    formatted = format_records(records, tokenizer, FormatParams(system_prompt=INSTRUCTION))
+    params = EvaluateParams(num_prompts=problems, max_new_tokens=new_tokens, batch_size=problems)
+    model, tokenizer = load_pretrained(folder, mesh)
+    held_out, _, prompt_length = select_prompts(formatted, tokenizer, params)
+    assert held_out["split"].eq("test").all() and len(held_out) == problems
+    assert all(INSTRUCTION in prompt for prompt in held_out["prompt"])
+    texts, lengths = Generator(model, tokenizer, params, prompt_length)(held_out["prompt"].tolist())
+    ours, samples = evaluation.score("base", held_out, texts, params, lengths)
+
+    rows = harness.write_rows(held_out, tokenizer, tmp_path / "rows.jsonl")
+    hf = HFLM(pretrained=str(folder), dtype="float32", device="cpu", batch_size=problems)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        theirs = harness.evaluate(hf, HarnessParams(enabled=True, max_gen_toks=new_tokens), rows, samples=True)
+    finally:
+        torch.set_num_threads(threads)
+    scores = theirs["scores"]["tagged_answer"]
+    assert (scores["strict,none"], scores["lenient,none"], scores["format,none"]) == pytest.approx(
+        (ours["answer_accuracy"], ours["lenient_accuracy"], ours["format_compliance"]))
+    # document by document: the same answer found by each reading
+    from tunix_pipeline.answers import readings
+
+    by_doc = sorted(theirs["samples"]["tagged_answer"], key=lambda s: s["doc_id"])
+    for row, sample in zip(samples.to_dict(orient="records"), by_doc):
+        read = readings(sample["resps"][0][0], row["reference"])
+        assert (read["extracted"], read["lenient_answer"], read["format"]) == (
+            row["extracted"], row["lenient"], row["well_formed"]), (row["generated"], sample["resps"][0][0])
+    assert samples["generated"].str.len().gt(20).all() and pd.Series(texts).nunique() == problems

@@ -4,6 +4,7 @@
 - `prompt_lengths`: prompts counted in tokens as the sampler counts them, so a length limit means what it says;
 - `make_sampler` / `sampling_args` / `Generator`: the sampler (`upstream.Sampler`), its arguments, and
   fixed-shape batches over it;
+- `scored_split`: the eval rows models are scored on (the test split when there is one);
 - `fitting_prompts` / `select_prompts`: the prompts that fit a stage's `max_prompt_length` (the rest skipped,
   counted and logged under that stage's setting), and the prompt length the sampler's cache is sized for.
 """
@@ -139,9 +140,18 @@ def fitting_prompts(
     return formatted[fits].reset_index(drop=True), skipped
 
 
+def scored_split(formatted: pd.DataFrame) -> pd.DataFrame:
+    """The eval rows a model is scored on: the test rows (from evaluation-only sources) when there are any, else the
+    dev rows (carved from the training sources)."""
+    if "split" in formatted.columns and (formatted["split"] == "test").any():
+        return formatted[formatted["split"] == "test"].reset_index(drop=True)
+    return formatted
+
+
 def select_prompts(formatted: pd.DataFrame, tokenizer, params: EvaluateParams) -> tuple[pd.DataFrame, int, int]:
-    """(prompts to generate for, how many were skipped as too long, the padded prompt length)."""
-    held_out = formatted.head(params.num_prompts).reset_index(drop=True)
+    """(prompts to generate for: the first `num_prompts` of `scored_split`, how many were skipped as too long, the
+    padded prompt length)."""
+    held_out = scored_split(formatted).head(params.num_prompts).reset_index(drop=True)
     if not len(held_out):
         return held_out, 0, 0
     lengths = prompt_lengths(tokenizer, held_out["prompt"].tolist())

@@ -29,6 +29,7 @@ from tunix_pipeline.config import HarnessParams
 from tunix_pipeline.errors import HarnessError
 from tunix_pipeline.evaluation import markdown_table
 from tunix_pipeline.formatting import answer_rows
+from tunix_pipeline.generation import scored_split
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +226,8 @@ class Harness:
     def __init__(self, model, tokenizer, mesh, params: HarnessParams, model_dir: str | Path, eval_formatted: pd.DataFrame):
         self.params = params
         self._tmp = tempfile.TemporaryDirectory(prefix="harness_")
-        answered = answer_rows(eval_formatted)  # tagged_answer matches answers: open-ended rows have none
+        # tagged_answer scores the rows our evaluation scores, with an answer to match (open-ended rows have none)
+        answered = answer_rows(scored_split(eval_formatted))
         self.rows = write_rows(answered, tokenizer, Path(self._tmp.name) / "eval_rows.jsonl") if len(answered) else None
         self.lm = make_lm(model, tokenizer, mesh, params, model_dir)
 
