@@ -285,3 +285,33 @@ def test_grpo_weight_decay_reaches_matrices_only(tiny_model_dir, tmp_path):
     assert vectors and matrices
     assert all(m == 0 for m in vectors.values()), vectors
     assert all(m > 0 for m in matrices.values()), matrices
+
+
+def test_grpo_dev_eval_keeps_the_best_step(tiny_model_dir, tokenizer, formatted, tmp_path, monkeypatch):
+    from tunix_pipeline import evaluation
+    from tunix_pipeline.checkpoints import restore_required
+    from tunix_pipeline.models import load_model
+    from tunix_pipeline.stages import selected_step
+
+    mesh = make_mesh(MESH)
+    model, _ = load_model(tiny_model_dir, mesh, "float32")
+    scripted, at_step = [0.5, 0.25], []  # steps 1 and 2 (the tiny random model answers nothing right)
+    real_score = evaluation.score
+
+    def score(*args, **kwargs):
+        metrics, samples = real_score(*args, **kwargs)
+        at_step.append(_weights(model))
+        return {**metrics, "lenient_accuracy": scripted[len(at_step) - 1]}, samples
+
+    monkeypatch.setattr(evaluation, "score", score)
+    params = _params(tmp_path, keep_checkpoints=1, dev_eval={"every": 1, "prompts": 2, "max_new_tokens": 4,
+                                                              "batch_size": 4})
+    result = grpo.train_grpo(model, tokenizer, formatted, params, mesh, eval_formatted=formatted.tail(3))
+    assert [(p["step"], p["lenient_accuracy"]) for p in result["dev_curve"]] == [(1, 0.5), (2, 0.25)]
+    assert (result["best_step"], result["selected_step"], result["latest_step"]) == (1, 1, 2)
+    ckpt = tmp_path / "grpo" / "actor"
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["1", "2"]  # the best outlives pruning
+    fresh, _ = load_model(tiny_model_dir, mesh, "float32")
+    assert restore_required(fresh, ckpt, "grpo", "export", selected_step(result)) == 1
+    assert all(np.array_equal(at_step[0][k], v) for k, v in _weights(fresh).items())
+    assert not all(np.array_equal(at_step[1][k], v) for k, v in _weights(fresh).items())

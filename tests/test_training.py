@@ -469,3 +469,87 @@ def test_two_processes_give_the_loss_and_gradient_of_one(tiny_model_dir, rows_fi
 def test_warmup_must_fit_in_the_run(tmp_path):
     with pytest.raises(ValueError, match=r"warmup_steps \(6\) must be smaller than max_steps \(6\)"):
         _sft(tmp_path, warmup_steps=6)
+
+
+# ---------------------------------------------------------------- the dev split's score: keep the best step
+def test_dev_eval_keeps_and_hands_on_the_best_step(tiny_model_dir, token_rows, formatted, tmp_path, monkeypatch):
+    from tunix_pipeline import evaluation
+    from tunix_pipeline.checkpoints import restore_required, start_from
+    from tunix_pipeline.config import ExportParams, FormatParams, ModelParams
+    from tunix_pipeline.dev_eval import CURVE_FILE, DevEval
+    from tunix_pipeline.models import load_tokenizer
+    from tunix_pipeline.pipelines.export import nodes as export_nodes
+
+    mesh = make_mesh(MESH)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    # 3 dev rows after 2 rows of an evaluation-only test source, which are never scored during training
+    eval_formatted = formatted.head(5).assign(answer=[str(i + 1) for i in range(5)],
+                                              split=["test", "test", "dev", None, "dev"])
+    # the tiny random model answers nothing right: the lenient accuracy each dev step reports is scripted (steps
+    # 2, 4, 6; the run stops after 4 and resumes), the rest is the real score of the real generations
+    scripted, scored, at_step = [0.25, 0.75, 0.5], [], {}
+    real_score = evaluation.score
+
+    def score(label, rows, texts, params, lengths=None, judged=None):
+        metrics, samples = real_score(label, rows, texts, params, lengths, judged)
+        scored.append(list(rows["id"]))
+        at_step[len(scored)] = _params(model)  # the weights it scored
+        return {**metrics, "lenient_accuracy": scripted[len(scored) - 1]}, samples
+
+    monkeypatch.setattr(evaluation, "score", score)
+    fetch = BatchFeed.load_next_train_batch
+
+    def stop_at_4(self, trainer):
+        if trainer.iter_steps == 4:
+            self.stop("test")
+        return fetch(self, trainer)
+
+    dev = {"every": 2, "prompts": 3, "max_new_tokens": 4, "batch_size": 4}
+    params = _sft(tmp_path, checkpoint_every=3, keep_checkpoints=1, dev_eval=dev)
+    with monkeypatch.context() as stopped:
+        stopped.setattr(BatchFeed, "load_next_train_batch", stop_at_4)
+        model, _ = load_model(tiny_model_dir, mesh)
+        first = train(model, token_rows, token_rows.head(0), params, mesh,
+                      dev=DevEval(params.dev_eval, tokenizer, eval_formatted, "sft"))
+    assert first["latest_step"] == 4 and [p["step"] for p in first["dev_curve"]] == [2, 4]
+    model, _ = load_model(tiny_model_dir, mesh)
+    logged = {}  # what the metrics backends (MLflow) receive
+
+    def listen(name, value, step=None, **_):
+        if name.startswith("/dev/"):
+            logged[(name.strip("/"), step)] = float(value)
+
+    jax.monitoring.register_scalar_listener(listen)
+    try:
+        result = train(model, token_rows, token_rows.head(0), params, mesh,
+                       dev=DevEval(params.dev_eval, tokenizer, eval_formatted, "sft"))
+    finally:
+        jax.monitoring.unregister_scalar_listener(listen)
+    assert logged[("dev/lenient_accuracy", 6)] == 0.5 and ("dev/format_compliance", 6) in logged
+
+    assert scored == [["2", "3", "4"]] * 3  # the dev rows only, the first `prompts` of them
+    curve = result["dev_curve"]
+    assert [(p["step"], p["examples"], p["lenient_accuracy"]) for p in curve] == [
+        (2, 8, 0.25), (4, 16, 0.75), (6, 24, 0.5)]
+    assert all(p["format_compliance"] is not None and p["answer_accuracy"] is not None for p in curve)
+    assert (result["best_step"], result["selected_step"], result["latest_step"]) == (4, 4, 6)
+    assert json.loads((tmp_path / "ckpt" / CURVE_FILE).read_text()) == curve  # a resumed run continues it
+    # keep_checkpoints: 1 keeps the latest, and the best step besides
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit()) == ["4", "6"]
+
+    # what evaluate and the polish stages restore, and what export ships: step 4's weights
+    fresh, _ = load_model(tiny_model_dir, mesh)
+    assert restore_required(fresh, tmp_path / "ckpt", "sft", "evaluate", 4) == 4
+    best = at_step[2]
+    assert all(np.array_equal(best[k], v) for k, v in _params(fresh).items())
+    shipped = {}
+    monkeypatch.setattr(export_nodes, "export_pretrained", lambda network, *a, **k: shipped.update(_params(network)))
+    exported = export_nodes.export_model({"path": str(tiny_model_dir)}, ModelParams(), ExportParams(
+        output_dir=str(tmp_path / "out")), MESH, FormatParams(), sft_result=result)
+    assert exported["checkpoint_step"] == 4
+    assert all(np.array_equal(best[k], v) for k, v in shipped.items()) and shipped
+    # a later session's `sft.init_from` this folder starts from the best step too
+    fresh, _ = load_model(tiny_model_dir, mesh)
+    lineage = start_from(fresh, tmp_path / "ckpt", tmp_path / "next")
+    assert (lineage["parent_step"], lineage["parent_best_step"]) == (4, 4)
+    assert all(np.array_equal(best[k], v) for k, v in _params(fresh).items())

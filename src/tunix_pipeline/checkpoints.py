@@ -23,6 +23,7 @@ from tunix_pipeline.processes import barrier
 
 log = logging.getLogger(__name__)
 HISTORY_FILE = "loss_history.json"
+DEV_CURVE_FILE = "dev_curve.json"  # `dev_eval`'s scores of the dev split, a point per dev step
 
 
 class CheckpointError(UserError, FileNotFoundError):
@@ -30,19 +31,24 @@ class CheckpointError(UserError, FileNotFoundError):
 
 
 # ---------------------------------------------------------------- saving and restoring
-def options(every: int, keep: int, last_step: int | None = None):
+def options(every: int, keep: int, last_step: int | None = None, dev=None):
     """Orbax's options: save every `every` steps and on a preemption notice (and at `last_step`, for a
-    trainer that does not save its last step itself), keeping the `keep` latest; no extra save at step 1."""
+    trainer that does not save its last step itself), keeping the `keep` latest; no extra save at step 1.
+    `dev` (a `dev_eval.DevEval`): also save at its dev steps and keep its best step beside the latest."""
     import orbax.checkpoint as ocp
 
     policies = ocp.checkpoint_managers
     steps = [policies.FixedIntervalPolicy(every)]
     if last_step is not None:  # saved inside the loop, so Tunix stores its step metadata with it
         steps.append(policies.SpecificStepsPolicy([last_step]))
+    kept = {"max_to_keep": keep}
+    if dev is not None:  # the dev score is measured on a saved step, and the best one survives pruning
+        steps.append(policies.FixedIntervalPolicy(dev.settings.every))
+        kept = {"preservation_policy": policies.AnyPreservationPolicy([policies.LatestN(n=keep), dev.keep])}
     return ocp.CheckpointManagerOptions(
         save_decision_policy=policies.AnySavePolicy([*steps, policies.PreemptionCheckpointingPolicy()]),
-        max_to_keep=keep,
         enable_async_checkpointing=True,
+        **kept,
     )
 
 
@@ -79,29 +85,35 @@ def restored_trainer(build, ckpt_dir: epath.Path):
             set_aside(ckpt_dir, step, err)
 
 
-def restore_latest(model, checkpoint_dir: str | Path) -> int:
-    """Loads the latest checkpoint of `checkpoint_dir` into `model` (only its adapters when it has LoRA); returns the step (0: none)."""
+def restore_latest(model, checkpoint_dir: str | Path, step: int | None = None) -> int:
+    """Loads the latest checkpoint of `checkpoint_dir` (or the one of `step`) into `model` (only its adapters when it
+    has LoRA); returns the step (0: none)."""
     from tunix.sft import checkpoint_manager
     from tunix.sft import utils as sft_utils
 
     manager = checkpoint_manager.CheckpointManager(str(storage_path(checkpoint_dir)))
     try:
-        step, _ = manager.maybe_restore(model, restore_only_lora_params=sft_utils.is_lora_enabled(model))
+        step, _ = manager.maybe_restore(model, step=step, restore_only_lora_params=sft_utils.is_lora_enabled(model))
     finally:
         manager.close()
     return step
 
 
-def restore_required(model, checkpoint_dir: str | Path, stage: str, needed_by: str) -> int:
-    """`restore_latest`, for a stage that cannot go on without `stage`'s checkpoint; returns its step."""
-    step = restore_latest(model, checkpoint_dir)
+def restore_required(model, checkpoint_dir: str | Path, stage: str, needed_by: str, step: int | None = None) -> int:
+    """`restore_latest` (or `step`: a stage's dev-selected one), for a stage that cannot go on without `stage`'s
+    checkpoint; returns its step."""
+    if step is not None and not (storage_path(checkpoint_dir) / str(step)).is_dir():
+        raise CheckpointError(f"{needed_by}: {stage}'s selected checkpoint step {step} is not in {checkpoint_dir}; "
+                              f"rerun the `{stage}` pipeline")
+    step = restore_latest(model, checkpoint_dir, step)
     if step == 0:
         raise CheckpointError(f"{needed_by}: no {stage} checkpoint in {checkpoint_dir}; run the `{stage}` pipeline first")
     return step
 
 
 def start_from(model, parent_dir: str | Path, checkpoint_dir: str | Path) -> dict:
-    """Loads the parent run's latest checkpoint into `model` (a new run on its weights, `sft.init_from`).
+    """Loads the parent run's latest checkpoint (its best dev step, where it scored its dev split) into `model` (a
+    new run on its weights, `sft.init_from`).
 
     Skipped when this run has checkpoints of its own: it was interrupted, and the
     trainer resumes those. Returns the lineage: parent checkpoint, step and MLflow run.
@@ -110,15 +122,18 @@ def start_from(model, parent_dir: str | Path, checkpoint_dir: str | Path) -> dic
 
     parent = storage_path(parent_dir, "sft.init_from")
     lineage = {"parent_checkpoint": str(parent), "parent_run_id": recorded_run(parent)}
+    best = dev_selected_step(parent) if parent.is_dir() else None
+    if best is not None:
+        lineage["parent_best_step"] = best
     if latest_step(storage_path(checkpoint_dir)) is not None:
-        return {**lineage, "parent_step": latest_step(parent) if parent.is_dir() else None}
+        return {**lineage, "parent_step": best or (latest_step(parent) if parent.is_dir() else None)}
     if not parent.is_dir() or latest_step(parent) is None:
         raise CheckpointError(
             f"sft.init_from: no checkpoint in {parent}; point it at a previous run's sft.checkpoint_dir "
             "(on Kaggle: the attached dataset holding the last session's output)"
         )
     try:
-        step = restore_latest(model, parent)
+        step = restore_latest(model, parent, best)
     except Exception as err:  # Orbax names the tree mismatch only deep inside its message
         from tunix.sft import utils as sft_utils
 
@@ -128,6 +143,27 @@ def start_from(model, parent_dir: str | Path, checkpoint_dir: str | Path) -> dic
         ) from err
     log.info("starting from %s step %d (a new run: fresh optimizer, step 0)", parent, step)
     return {**lineage, "parent_step": step}
+
+
+def best_step(curve: list[dict]) -> int | None:
+    """The step of a dev curve's highest lenient accuracy; between equal ones the higher strict accuracy, then
+    format compliance (which a tuned model learns before it answers right); where all three tie, the later step,
+    as without a dev curve. None for an empty curve."""
+    def key(point: dict) -> tuple:
+        return tuple(-1.0 if point.get(m) is None else point[m]
+                     for m in ("lenient_accuracy", "answer_accuracy", "format_compliance"))
+
+    best = None
+    for point in sorted(curve, key=lambda p: p["step"]):
+        if best is None or key(point) >= key(best):
+            best = point
+    return None if best is None else best["step"]
+
+
+def dev_selected_step(ckpt_dir: epath.Path) -> int | None:
+    """The best dev step a run with `dev_eval` recorded beside its checkpoints (None: it scored no dev split)."""
+    step = best_step(load_history(ckpt_dir, latest_step(ckpt_dir) or 0, DEV_CURVE_FILE))
+    return step if step is not None and (ckpt_dir / str(step)).is_dir() else None
 
 
 # ---------------------------------------------------------------- the history beside them

@@ -11,7 +11,8 @@ What we add around Tunix, through its own seams:
   base weights are held once;
 - a new sampling seed per step (Tunix's rollout otherwise reuses one key every step);
 - checkpoints every `checkpoint_every` steps and at the last step (with Tunix's
-  step metadata), resumed automatically, and a reward/KL history kept beside them.
+  step metadata), resumed automatically, and a reward/KL history kept beside them;
+- with `grpo.dev_eval`, the dev split scored every N steps and the best step kept (`dev_eval`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import pandas as pd
 
 from tunix_pipeline import checkpoints, progress, upstream
 from tunix_pipeline.config import GrpoParams
+from tunix_pipeline.dev_eval import DevEval, no_dev_eval
 from tunix_pipeline.errors import UserError
 from tunix_pipeline.generation import fitting_prompts, gathers_weights
 from tunix_pipeline.optim import make_optimizer
@@ -109,9 +111,10 @@ def frozen_copy(model):
 def train_grpo(
     model, tokenizer, train_formatted: pd.DataFrame, params: GrpoParams, mesh: jax.sharding.Mesh,
     metrics_backends: list | None = None, judge_mesh: jax.sharding.Mesh | None = None, decode_weights: str = "sharded",
+    eval_formatted: pd.DataFrame | None = None,
 ) -> dict:
     """GRPO on `model` in place (full weights or LoRA adapters), judges on `judge_mesh`, else `mesh`; resumes.
-    `decode_weights`: the rollouts', `runtime.decode_weights`."""
+    `decode_weights`: the rollouts', `runtime.decode_weights`; `eval_formatted`: its dev rows for `grpo.dev_eval`."""
     from tunix.rl import rl_cluster as rl_cluster_lib
 
     rewards = RewardSet(params.rewards, judge_mesh or mesh)
@@ -119,8 +122,9 @@ def train_grpo(
     root = storage_path(params.checkpoint_dir, "grpo.checkpoint_dir")  # a gs:// URI reaches Orbax as it is
     rollout = _rollout_config(params, tokenizer)
     algo_config, learner_cls = algorithm(params)
+    dev = DevEval(params.dev_eval, tokenizer, eval_formatted, "grpo", decode_weights) if params.dev_eval else None
     cluster_config = _cluster_config(params, mesh, root, checkpoints.logger_options(root, metrics_backends), rollout,
-                                     gathers_weights(decode_weights, model))
+                                     gathers_weights(decode_weights, model), dev)
     # the reference is the SFT policy as it is now, before any GRPO checkpoint is restored into the actor
     reference = frozen_copy(model) if algo_config.beta else None
     # `with mesh:` and not `jax.set_mesh`: under the latter Tunix's optimizer sharding step fails;
@@ -130,19 +134,16 @@ def train_grpo(
                                            cluster_config=cluster_config)
         start_step = cluster.actor_trainer.train_steps
         history = checkpoints.load_history(root, start_step, HISTORY_FILE)
+        if dev:  # its curve beside the reward history; the checkpoints it keeps are the actor's
+            dev.start(cluster.actor_trainer, mesh, root, params.batch_size)
         started = time.perf_counter()
-        if start_step >= params.max_steps:
-            log.info("grpo: checkpoint step %d already reaches grpo.max_steps=%d; nothing to train",
-                     start_step, params.max_steps)
-            cluster.close()
-        else:
-            if start_step:
-                log.info("resuming GRPO from checkpoint step %d in %s", start_step, root / "actor")
-            cluster.actor_trainer.with_training_hooks(progress.training_hooks("grpo"))
-            learner_cls(rl_cluster=cluster, algo_config=algo_config, reward_fns=rewards.tunix_reward_fns(),
-                        metric_fns=[rewards.metric_fn]).train(PromptFeed(rows, params.batch_size, params.seed, rollout))
+        _learn(cluster, lambda: learner_cls(rl_cluster=cluster, algo_config=algo_config,
+                                            reward_fns=rewards.tunix_reward_fns(), metric_fns=[rewards.metric_fn]),
+               PromptFeed(rows, params.batch_size, params.seed, rollout), start_step, params.max_steps, root)
         seconds = time.perf_counter() - started
         end_step = cluster.actor_trainer.train_steps
+        if dev:
+            dev.catch_up(end_step, mesh)
 
     history += _new_history(cluster.actor_trainer.metrics_logger, rewards, start_step, end_step, params)
     checkpoints.save_history(root, history, HISTORY_FILE)
@@ -168,7 +169,20 @@ def train_grpo(
         "reward_trend": trend,
         "history": history,
         "train_seconds": seconds,
+        **(dev.summary(end_step) if dev else no_dev_eval(end_step)),
     }
+
+
+def _learn(cluster, learner, feed: PromptFeed, start_step: int, max_steps: int, root) -> None:
+    """`learner()` trains the cluster's actor from `start_step` to `max_steps`; at `max_steps` already, it closes."""
+    if start_step >= max_steps:
+        log.info("grpo: checkpoint step %d already reaches grpo.max_steps=%d; nothing to train", start_step, max_steps)
+        cluster.close()
+        return
+    if start_step:
+        log.info("resuming GRPO from checkpoint step %d in %s", start_step, root / "actor")
+    cluster.actor_trainer.with_training_hooks(progress.training_hooks("grpo"))
+    learner().train(feed)
 
 
 def training_prompts(train_formatted: pd.DataFrame, tokenizer, params: GrpoParams, mesh) -> tuple[pd.DataFrame, int]:
@@ -217,9 +231,9 @@ def _rollout_config(params: GrpoParams, tokenizer):
     )
 
 
-def _cluster_config(params: GrpoParams, mesh, root, logging_options, rollout, gather_weights: bool):
+def _cluster_config(params: GrpoParams, mesh, root, logging_options, rollout, gather_weights: bool, dev=None):
     """Actor, reference and rollout on one mesh (the rollout's weights gathered with `gather_weights`); the actor's
-    optimizer, steps and checkpoints."""
+    optimizer, steps and checkpoints (also at `dev`'s steps, keeping its best)."""
     from tunix.rl import rl_cluster as rl_cluster_lib
 
     from tunix_pipeline.runtime import BATCH_AXES
@@ -235,7 +249,8 @@ def _cluster_config(params: GrpoParams, mesh, root, logging_options, rollout, ga
             eval_every_n_steps=params.max_steps + 1,
             max_steps=params.max_steps,
             checkpoint_root_directory=str(root),
-            checkpointing_options=checkpoints.options(params.checkpoint_every, params.keep_checkpoints, params.max_steps),
+            checkpointing_options=checkpoints.options(params.checkpoint_every, params.keep_checkpoints,
+                                                      params.max_steps, dev),
             metrics_logging_options=logging_options,
             data_sharding_axis=BATCH_AXES,
             pbar_description="grpo",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from tunix_pipeline.errors import UserError
-from tunix_pipeline.stages import policy_stage, start_of
+from tunix_pipeline.stages import policy_stage, selected_step, start_of
 
 log = logging.getLogger(__name__)
 MLFLOW_TAG_LIMIT = 5000  # characters of a tag value MLflow keeps
@@ -28,9 +28,12 @@ class NothingToLearn(UserError, ValueError):
 def passed_through(parent_result: dict) -> dict:
     """The result of a stage that did not train (off or skipped): its parent's policy, which the later stages use,
     and where it would have started (`start_*`, as a trained stage records them)."""
-    return {"enabled": False, "checkpoint_dir": parent_result["checkpoint_dir"],
-            "latest_step": parent_result["latest_step"], "policy_stage": policy_stage(parent_result),
-            **start_of(parent_result)}
+    passed = {"enabled": False, "checkpoint_dir": parent_result["checkpoint_dir"],
+              "latest_step": parent_result["latest_step"], "policy_stage": policy_stage(parent_result),
+              **start_of(parent_result)}
+    if selected_step(parent_result) is not None:  # the parent's dev-selected step passes on with its policy
+        passed.update(best_step=parent_result["best_step"], selected_step=parent_result["selected_step"])
+    return passed
 
 
 def skip_stage(err: NothingToLearn, strict: bool, parent_policy: dict) -> dict:

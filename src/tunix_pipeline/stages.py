@@ -58,7 +58,23 @@ def policy_stage(result: dict) -> str:
     return result.get("policy_stage", SFT.name)
 
 
+def selected_step(result: dict) -> int | None:
+    """The step of a stage's checkpoint folder that the later stages restore: the best dev step where the stage
+    scored its dev split (`dev_eval`), else None: the latest."""
+    return result.get("selected_step") if result.get("best_step") is not None else None
+
+
+def policy_step(result: dict) -> int:
+    """The step of the policy a result hands on: its dev-selected step, else its latest."""
+    step = selected_step(result)
+    return result.get("latest_step") if step is None else step
+
+
 def start_of(parent_result: dict) -> dict:
-    """Where a stage starts: its parent's policy, the stage that trained it, and its step."""
-    return {"start_stage": policy_stage(parent_result), "start_checkpoint_dir": parent_result["checkpoint_dir"],
-            "start_step": parent_result["latest_step"]}
+    """Where a stage starts: its parent's policy, the stage that trained it, and its step (also as `start_selected`
+    when the parent chose it by its dev score)."""
+    start = {"start_stage": policy_stage(parent_result), "start_checkpoint_dir": parent_result["checkpoint_dir"],
+             "start_step": policy_step(parent_result)}
+    if selected_step(parent_result) is not None:
+        start["start_selected"] = selected_step(parent_result)
+    return start

@@ -60,13 +60,13 @@ class MlflowBackend:
         if step:
             self._logged_until[name] = step
 
-    def fill_gaps(self, name: str, history: list[dict]) -> None:
-        """Logs the steps of `history` ({step, loss}) that the run lacks (e.g. the one Tunix had not written yet)."""
+    def fill_gaps(self, name: str, history: list[dict], key: str = "loss") -> None:
+        """Logs the steps of `history` ({step, `key`}) that the run lacks (e.g. the one Tunix had not written yet)."""
         name = mlflow_name(name)
         logged = {m.step for m in self._client.get_metric_history(self._run_id, name)}
         for entry in history:
-            if entry["step"] not in logged:
-                self._client.log_metric(self._run_id, name, entry["loss"], step=entry["step"])
+            if entry["step"] not in logged and entry.get(key) is not None:
+                self._client.log_metric(self._run_id, name, entry[key], step=entry["step"])
 
     def flush(self) -> None:
         if self._pending:

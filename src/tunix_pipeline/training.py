@@ -12,7 +12,8 @@ What we add around the trainer, through its own seams:
   share and device memory (`progress.throughput_hooks`);
 - a loss history kept beside the checkpoints, so a resumed run reports the
   whole curve; a corrupt latest checkpoint is set aside for the previous one
-  (both in `checkpoints`).
+  (both in `checkpoints`);
+- with `sft.dev_eval`, the dev split scored every N steps and the best step kept (`dev_eval`).
 """
 
 from __future__ import annotations
@@ -266,14 +267,15 @@ def end_run(feed: BatchFeed, stage: str, figures: dict, max_steps: int, budget_h
 
 # ---------------------------------------------------------------- a Tunix trainer, as SFT and preference set it up
 def trainer_config(params: CheckpointSettings, max_steps: int, ckpt_dir: epath.Path, description: str,
-                   eval_every: int | None = None) -> dict:
+                   eval_every: int | None = None, dev=None) -> dict:
     """The fields of a Tunix trainer's config that every stage on Tunix's PeftTrainer sets alike: its steps, no
-    evaluation unless asked, Orbax checkpoints, the batch's sharding and the progress bar's label."""
+    evaluation unless asked, Orbax checkpoints (also at `dev`'s steps, keeping its best), the batch's sharding and
+    the progress bar's label."""
     return dict(
         eval_every_n_steps=eval_every or max_steps + 1,
         max_steps=max_steps,
         checkpoint_root_directory=str(ckpt_dir),
-        checkpointing_options=checkpoints.options(params.checkpoint_every, params.keep_checkpoints),
+        checkpointing_options=checkpoints.options(params.checkpoint_every, params.keep_checkpoints, dev=dev),
         data_sharding_axis=BATCH_AXES,
         pbar_description=description,
     )
@@ -288,12 +290,12 @@ def restored_trainer(build, optimizer_settings: OptimizerSettings, max_steps: in
 
 
 # ---------------------------------------------------------------- SFT
-def _trainer(model, sft: SftParams, mesh, options, ckpt_dir: epath.Path):
+def _trainer(model, sft: SftParams, mesh, options, ckpt_dir: epath.Path, dev=None):
     """Tunix's PeftTrainer (`upstream.trainer_class`) with gradient accumulation and our metrics backends."""
     from tunix.sft import metrics_logger, peft_trainer
 
     config = peft_trainer.TrainingConfig(
-        **trainer_config(sft, sft.max_steps, ckpt_dir, "sft", sft.eval_every),
+        **trainer_config(sft, sft.max_steps, ckpt_dir, "sft", sft.eval_every, dev),
         gradient_accumulation_steps=sft.gradient_accumulation_steps if sft.gradient_accumulation_steps > 1 else None,
     )
     return restored_trainer(
@@ -311,8 +313,10 @@ def train(
     mesh: jax.sharding.Mesh,
     metrics_backends: list | None = None,
     peak_flops_per_device: float | None = None,
+    dev=None,
 ) -> dict:
-    """Trains `model` in place; resumes from the latest checkpoint in `sft.checkpoint_dir`."""
+    """Trains `model` in place; resumes from the latest checkpoint in `sft.checkpoint_dir`. `dev`: a
+    `dev_eval.DevEval` (`sft.dev_eval`) scoring the dev split as it goes and keeping the best step, or None."""
     batch_size = global_batch_size(sft, mesh)
     local = process_rows(mesh, batch_size)
     seq_len = len(train_rows["input_tokens"].iloc[0])
@@ -325,13 +329,18 @@ def train(
     flops_per_token = train_flops_per_token(model, seq_len, sft.remat)
 
     with upstream.scalar_listeners_scope(), mesh:
-        trainer = _trainer(model, sft, mesh, checkpoints.logger_options(ckpt_dir, metrics_backends), ckpt_dir)
+        trainer = _trainer(model, sft, mesh, checkpoints.logger_options(ckpt_dir, metrics_backends), ckpt_dir, dev)
+        if dev:
+            dev.start(trainer, mesh, ckpt_dir, batch_size * sft.gradient_accumulation_steps,
+                      stopping=lambda: feed.stop_reason == "SIGTERM")
         trainer.with_loss_fn(loss_fn_for(sft)).with_gen_model_input_fn(model_inputs)
         trainer.with_training_hooks(
             throughput_hooks(feed.step_tokens, flops_per_token, peak_flops_per_device, mesh.devices.size)
         )
         trainer.with_data_hooks(feed)
         run = fit(trainer, feed, ckpt_dir, "SFT", sft.max_steps)
+        if dev and feed.stop_reason != "SIGTERM":
+            dev.catch_up(trainer.train_steps, mesh)
 
     history = run.pop("history") + checkpoints.new_losses(trainer, run["resumed_from_step"])
     checkpoints.save_history(ckpt_dir, history)
@@ -347,4 +356,7 @@ def train(
         "first_loss": history[0]["loss"] if history else None,
         "last_loss": history[-1]["loss"] if history else None,
         "loss_history": history,
+        # without `dev`, the latest step is the one handed on
+        **(dev.summary(run["latest_step"]) if dev else
+           {"dev_curve": [], "best_step": None, "selected_step": run["latest_step"]}),
     }

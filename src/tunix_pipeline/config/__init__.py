@@ -14,7 +14,7 @@ from tunix_pipeline.config.model import (
     TinyModelParams, LoraParams, ModelParams,
 )
 from tunix_pipeline.config.training import (
-    DistributedParams, RuntimeParams, OptimizerSettings, CheckpointSettings, SftParams,
+    DistributedParams, RuntimeParams, OptimizerSettings, CheckpointSettings, DevEvalParams, SftParams,
 )
 from tunix_pipeline.config.evaluate import (
     HarnessParams, EvaluateParams, ExportParams, WandbParams, SystemMetricsParams, RegistryParams, TrackingParams,
@@ -38,6 +38,7 @@ __all__ = [
     "ModelParams",
     "DistributedParams",
     "RuntimeParams",
+    "DevEvalParams",
     "OptimizerSettings",
     "CheckpointSettings",
     "SftParams",

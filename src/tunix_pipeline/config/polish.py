@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 
 from tunix_pipeline.config.base import Strict
 from tunix_pipeline.config.data import IngestParams
-from tunix_pipeline.config.training import CheckpointSettings, OptimizerSettings
+from tunix_pipeline.config.training import CheckpointSettings, DevEvalParams, OptimizerSettings
 
 
 # the judge's default rubric: the question, the policy's completion and the reference (when the row has one)
@@ -118,6 +118,8 @@ class GrpoParams(OptimizerSettings, CheckpointSettings):
     top_k: int | None = Field(None, gt=0)
     learning_rate: float = Field(1e-5, gt=0)
     checkpoint_dir: str = "data/06_models/grpo_checkpoints"
+    # as sft.dev_eval: score the dev split every N steps, keep and hand on the best step; null: the latest
+    dev_eval: DevEvalParams | None = None
     seed: int = 0
     rewards: list[RewardParams] = Field(
         [

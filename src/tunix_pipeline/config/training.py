@@ -64,6 +64,17 @@ class CheckpointSettings(Strict):
     keep_checkpoints: int = Field(3, gt=0)
 
 
+class DevEvalParams(Strict):
+    """Greedy generation on the first `prompts` dev rows of the eval split every `every` steps (and at the last),
+    scored as `evaluate` scores (lenient and strict accuracy, format): the curve goes to MLflow as `dev/*`, and the
+    step with the best lenient accuracy is kept through checkpoint pruning and is the one the later stages use."""
+
+    every: int = Field(gt=0)
+    prompts: int = Field(16, gt=0, description="the first this many dev rows of eval_formatted")
+    max_new_tokens: int = Field(128, gt=0)
+    batch_size: int = Field(8, gt=0, description="sequences per generation call")
+
+
 class SftParams(OptimizerSettings, CheckpointSettings):
     # 0 only with init_from: no training this session, the parent checkpoint passes on (e.g. to GRPO);
     # null with `epochs`: the steps follow from the training rows
@@ -83,6 +94,9 @@ class SftParams(OptimizerSettings, CheckpointSettings):
     checkpoint_dir: str = "data/06_models/sft_checkpoints"
     checkpoint_every: int = Field(gt=0)
     eval_every: int | None = Field(None, gt=0)
+    # score the dev split every N steps and keep the best step by lenient accuracy (`DevEvalParams`); null: off,
+    # the latest checkpoint is the result
+    dev_eval: DevEvalParams | None = None
     # stop early enough to save a checkpoint before this many hours pass since the process started
     # (Kaggle sessions: 9); null: no limit
     time_budget_hours: float | None = Field(None, gt=0)

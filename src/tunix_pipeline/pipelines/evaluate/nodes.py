@@ -8,7 +8,7 @@ from tunix_pipeline.checkpoints import restore_required
 from tunix_pipeline.config import EvaluateParams, ModelParams, RuntimeParams
 from tunix_pipeline.models import load_run_model, load_tokenizer
 from tunix_pipeline.runtime import make_mesh
-from tunix_pipeline.stages import Stage
+from tunix_pipeline.stages import Stage, selected_step
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def evaluate_models(
         results["base"], samples["base"] = evaluator.measure("base")
         if harness:
             harness_results["base"] = harness.measure("base")
-    step = restore_required(network, sft_result["checkpoint_dir"], "sft", "evaluate")
+    step = restore_required(network, sft_result["checkpoint_dir"], "sft", "evaluate", selected_step(sft_result))
     results["tuned"], samples["tuned"] = evaluator.measure("tuned")
     results["tuned"]["checkpoint_step"] = step
     if harness:
@@ -142,8 +142,10 @@ def _after_stage(stage: Stage, title, eval_tokens, eval_formatted, base_model, s
     harness = _harness(network, evaluator, base_model, eval_formatted, params)
     start = result["start_stage"]  # the policy it started from, labelled with the stage that trained it
     results, samples, harness_results = {}, {}, {}
-    for label, checkpoint_dir in ((start, result["start_checkpoint_dir"]), (stage.name, result["checkpoint_dir"])):
-        step = restore_required(network, checkpoint_dir, label, "evaluate")
+    # each at the step handed on: its dev-selected one (`dev_eval`), else the latest
+    for label, checkpoint_dir, selected in ((start, result["start_checkpoint_dir"], result.get("start_selected")),
+                                            (stage.name, result["checkpoint_dir"], selected_step(result))):
+        step = restore_required(network, checkpoint_dir, label, "evaluate", selected)
         results[label], samples[label] = evaluator.measure(label)
         results[label]["checkpoint_step"] = step
         if harness:

@@ -7,7 +7,7 @@ from tunix_pipeline.models import export_pretrained, load_run_model, load_tokeni
 from tunix_pipeline.models.gguf_export import tuned_chat_template
 from tunix_pipeline.paths import local_folder, storage_path
 from tunix_pipeline.runtime import make_mesh
-from tunix_pipeline.stages import POLISH, SFT, STAGES
+from tunix_pipeline.stages import POLISH, SFT, STAGES, policy_step, selected_step
 
 log = logging.getLogger(__name__)
 
@@ -15,15 +15,15 @@ log = logging.getLogger(__name__)
 def final_checkpoint(results: dict[str, dict]) -> tuple[str, str]:
     """(stage, checkpoint dir) of the policy to ship, from {stage name: its result}: the last stage of the chain
     that trained from the current policy of the stages before it (a result left over from an earlier run of an
-    earlier stage is not shipped)."""
-    stage, current = SFT, (results[SFT.name]["checkpoint_dir"], results[SFT.name]["latest_step"])
+    earlier stage is not shipped). Its step is the one the stage hands on (`stages.policy_step`)."""
+    stage, current = SFT, (results[SFT.name]["checkpoint_dir"], policy_step(results[SFT.name]))
     for polish in POLISH:
         result = results.get(polish.name) or {}
         if not result.get("enabled"):
             continue
         start = (result.get("start_checkpoint_dir"), result.get("start_step"))
         if start == current:
-            stage, current = polish, (result["checkpoint_dir"], result.get("latest_step"))
+            stage, current = polish, (result["checkpoint_dir"], policy_step(result))
             continue
         log.warning(
             "export: %s is from %s step %s in %s, not the current %s in %s; exporting the %s checkpoint "
@@ -47,7 +47,8 @@ def export_model(
     results = {stage.name: stage_results.get(stage.result) for stage in STAGES}
     network, _ = load_run_model(base_model["path"], model, make_mesh(runtime), quantize=False)
     stage, checkpoint_dir = final_checkpoint(results)
-    step = restore_required(network, checkpoint_dir, stage, "export")
+    # the stage's dev-selected step (`dev_eval`), else its latest
+    step = restore_required(network, checkpoint_dir, stage, "export", selected_step(results[stage]))
     tokenizer = load_tokenizer(base_model["path"])
     gguf = "gguf" in params.formats
     with (

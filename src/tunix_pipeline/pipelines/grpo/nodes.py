@@ -2,17 +2,19 @@ import pandas as pd
 
 from tunix_pipeline.checkpoints import restore_required
 from tunix_pipeline.config import GrpoParams, ModelParams, RuntimeParams, TrackingParams
+from tunix_pipeline.dev_eval import log_curve
 from tunix_pipeline.grpo import train_grpo, training_prompts
 from tunix_pipeline.judge import meshes
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
 from tunix_pipeline.rewards import RewardSet
 from tunix_pipeline.skips import NothingToLearn, passed_through, skip_stage
-from tunix_pipeline.stages import GRPO, policy_stage, start_of
-from tunix_pipeline.step_metrics import metrics_backends
+from tunix_pipeline.stages import GRPO, policy_stage, selected_step, start_of
+from tunix_pipeline.step_metrics import MlflowBackend, metrics_backends
 
 
 def run_grpo(
     train_formatted: pd.DataFrame,
+    eval_formatted: pd.DataFrame,
     base_model: dict,
     parent_result: dict,
     model: ModelParams,
@@ -33,9 +35,13 @@ def run_grpo(
     except NothingToLearn as err:
         return skip_stage(err, grpo.strict, passed_through(parent_result))
     network, _ = load_run_model(base_model["path"], model, mesh)
-    step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), "grpo")
+    step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), "grpo",
+                            selected_step(parent_result))
     backends = metrics_backends(tracking, runtime.output_root, "grpo")
-    result = train_grpo(network, tokenizer, train_formatted, grpo, mesh, backends, judge_mesh, runtime.decode_weights)
+    result = train_grpo(network, tokenizer, train_formatted, grpo, mesh, backends, judge_mesh, runtime.decode_weights,
+                        eval_formatted)
+    if backends and MlflowBackend in backends:  # the points measured after its backends closed
+        log_curve(result["dev_curve"], "grpo")
     return {
         **result,
         "policy_stage": GRPO.name,

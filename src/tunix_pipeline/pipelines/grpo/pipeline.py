@@ -13,8 +13,8 @@ def create_pipeline(**kwargs) -> Pipeline:
             Node(
                 run_grpo,
                 inputs=[
-                    "train_formatted", "base_model", GRPO.parent_result, "params:model", "params:grpo", "params:runtime",
-                    "params:tracking",
+                    "train_formatted", "eval_formatted", "base_model", GRPO.parent_result, "params:model", "params:grpo",
+                    "params:runtime", "params:tracking",
                 ],
                 outputs=GRPO.result,
                 name=GRPO.train_node,

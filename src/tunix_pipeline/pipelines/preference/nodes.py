@@ -19,7 +19,7 @@ from tunix_pipeline.rewards import RewardSet
 from tunix_pipeline.judge import meshes
 from tunix_pipeline.runtime import make_mesh
 from tunix_pipeline.skips import NothingToLearn, passed_through, skip_stage
-from tunix_pipeline.stages import PREFERENCE, policy_stage, start_of
+from tunix_pipeline.stages import PREFERENCE, policy_stage, selected_step, start_of
 from tunix_pipeline.step_metrics import metrics_backends
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,8 @@ def build_pairs(
     mesh, judge_mesh = meshes(runtime, spec.rewards or grpo.rewards)
     rewards = RewardSet(spec.rewards or grpo.rewards, judge_mesh or mesh)  # a bad reward fails before the model loads
     network, _ = load_run_model(base_model["path"], model, mesh, quantize=False)
-    step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), "preference")
+    step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), "preference",
+                            selected_step(parent_result))
     train, train_counts = pairs.pairs_from_rewards(network, tokenizer, train_formatted, params, rewards, mesh,
                                                   spec.max_prompts, runtime.decode_weights)
     held_out, eval_counts = pairs.pairs_from_rewards(network, tokenizer, eval_formatted, params, rewards, mesh,
@@ -94,7 +95,8 @@ def run_preference(
         return {**skip_stage(err, params.strict, passed_through(parent_result)), "method": params.method,
                 "tokenize": {"train": train_stats, "eval": eval_stats}}
     network, _ = load_run_model(base_model["path"], model, mesh)
-    step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), "preference")
+    step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), "preference",
+                            selected_step(parent_result))
     backends = metrics_backends(tracking, runtime.output_root, "preference")
     result = pref.train_preference(network, train_tokens, eval_tokens, params, mesh, backends,
                                    peak_flops_per_device(plan, runtime))

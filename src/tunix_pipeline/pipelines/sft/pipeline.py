@@ -23,7 +23,7 @@ def create_pipeline(**kwargs) -> Pipeline:
             Node(
                 train_sft,
                 inputs=[
-                    "train_tokens", "eval_tokens", "planned_base_model", "params:model", "params:sft",
+                    "train_tokens", "eval_tokens", "eval_formatted", "planned_base_model", "params:model", "params:sft",
                     "params:runtime", "params:tracking", "params:plan",
                 ],
                 outputs="sft_result",
