@@ -1,20 +1,19 @@
-"""The real Gemma 3 270M fine-tuned on GSM8K and scored by lm-evaluation-harness's own `gsm8k` task, by our JAX
-backend inside the pipeline and by lm-eval's `hf` backend on the folders the pipeline wrote.
+"""The real Gemma 3 270M made better at GSM8K, measured fairly: the `gemma3_270m_gsm8k_cpu` recipe (LoRA SFT on the
+train split, GRPO on its prompts), base / SFT / GRPO scored by our evaluation on GSM8K's whole test split, and
+lm-evaluation-harness's `hf` backend through the shipped `tagged_answer` task on the folders the pipeline wrote.
 
-    python benchmarks/gsm8k_real.py                         # ~1 h on a 2-core CPU
-    python benchmarks/gsm8k_real.py --root /tmp/g --hf-only base   # hf on base_model/ once it exists (in parallel)
-    python benchmarks/gsm8k_real.py --root /tmp/g --skip-run  # the report, on a finished run's folders
+    python benchmarks/gsm8k_real.py                          # the recipe, then hf on base_model/ and exported/
+    python benchmarks/gsm8k_real.py --root /tmp/g --skip-run   # the table, on a finished run's folders
+    python benchmarks/gsm8k_real.py --params evaluate.num_prompts=64,sft.max_steps=60   # a shorter run
 
-1. `kedro run --env gemma3_270m_gsm8k_cpu` under `--root`: the PyPI model converted to an fp32 folder
-   (`06_models/base_model`), LoRA SFT on the shipped GSM8K train rows, our evaluation (eval loss, format
-   compliance) and lm-eval's gsm8k on base and tuned through our backend (each document's generation in
-   `07_model_output/harness/`), export (`06_models/exported`, LoRA merged).
-2. lm-eval's `hf` backend (transformers, float32) on `base_model/` and `exported/` with the recipe's harness
-   settings: the same task, documents, few-shot seed and generation length. torch runs on `--torch-threads`
-   (1 by default: on a shared, oversubscribed CPU torch's OpenMP threads wait on each other; RESULTS.md,
-   section 9). A model's hf result is kept in `hf_<model>.json` and reused.
-3. Both backends' strict-match and flexible-extract side by side, how many generations are identical, our eval
-   loss and format compliance, and wall times. Prints one JSON object, writes benchmarks/results/gsm8k_real.json.
+1. `kedro run --env gemma3_270m_gsm8k_cpu` under `--root` (its log in root/kedro.log): the PyPI model converted to
+   an fp32 folder (`06_models/base_model`), SFT, evaluation of base and SFT, GRPO, evaluation of SFT and GRPO,
+   export of the final policy (`06_models/exported`, LoRA merged).
+2. lm-eval's `hf` backend (transformers, float32, `--torch-threads`) on `base_model/` and `exported/` over the same
+   test rows, with the same prompt (the recipe's instruction in Gemma's chat template) and generation length.
+3. One table: base / SFT / GRPO x strict, lenient and format, each with its 95% interval, the two paired tests
+   (SFT against base, GRPO against SFT), training examples, steps and wall times, and hf's three scores beside
+   ours. Prints one JSON object, writes benchmarks/results/gsm8k_real.json.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
+import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -35,17 +34,9 @@ from benchmarks import common  # noqa: E402
 
 ENV = "gemma3_270m_gsm8k_cpu"
 KEDRO = str(Path(sys.executable).parent / "kedro")
-SCORES = ("exact_match,strict-match", "exact_match,flexible-extract")
-FOLDERS = {"base": "06_models/base_model", "tuned": "06_models/exported"}  # under the output root
-
-
-def harness_params():
-    """The recipe's `evaluate.harness` (conf/base merged with the recipe), without its samples folder."""
-    from tunix_pipeline.config import HarnessParams
-
-    base = yaml.safe_load((common.ROOT / "conf/base/parameters_evaluate.yml").read_text())["evaluate"]["harness"]
-    recipe = yaml.safe_load((common.ROOT / f"conf/{ENV}/parameters.yml").read_text())["evaluate"]["harness"]
-    return HarnessParams(**{**base, **recipe, "samples_dir": None})
+READINGS = ("answer_accuracy", "lenient_accuracy", "format_compliance")
+HF_READINGS = ("strict,none", "lenient,none", "format,none")  # tagged_answer's names for the same readings
+FOLDERS = {"base": "06_models/base_model", "grpo": "06_models/exported"}  # hf runs on these (the export is GRPO's)
 
 
 def run_recipe(root: Path, extra: str) -> dict:
@@ -65,38 +56,62 @@ def run_recipe(root: Path, extra: str) -> dict:
     return result
 
 
-def run_hf(root: Path, label: str, params, threads: int) -> dict:
-    """lm-eval's `hf` backend on one model's folder: scores and seconds (kept in root/hf_<label>.json), each
-    document's generation in root/07_model_output/harness_hf/<label>_gsm8k.jsonl."""
+def run_hf(root: Path, label: str, max_gen_toks: int, threads: int) -> dict:
+    """lm-eval's `hf` backend on one model's folder over the run's scored rows: tagged_answer's three scores and
+    seconds (kept in root/hf_<label>.json and reused)."""
     kept = root / f"hf_{label}.json"
     if kept.is_file():
         return json.loads(kept.read_text())
     import torch
     from lm_eval.models.huggingface import HFLM
+    from transformers import AutoTokenizer
 
     from tunix_pipeline import harness
+    from tunix_pipeline.config import HarnessParams
+    from tunix_pipeline.formatting import answer_rows
+    from tunix_pipeline.generation import scored_split
 
+    metrics = json.loads((root / "08_reporting/eval_metrics.json").read_text())
+    documents = metrics["base"]["prompts"]  # what our evaluation scored: the first rows of the scored split
+    formatted = answer_rows(scored_split(pd.read_parquet(root / "03_primary/eval_formatted.parquet"))).head(documents)
+    tokenizer = AutoTokenizer.from_pretrained(root / FOLDERS["base"])
+    rows = harness.write_rows(formatted, tokenizer, root / "harness_rows.jsonl")
     torch.set_num_threads(threads)
     started = time.perf_counter()
-    lm = HFLM(pretrained=str(root / FOLDERS[label]), dtype="float32", device="cpu", batch_size=params.batch_size)
-    result = harness.evaluate(lm, params, None, samples=True)
+    lm = HFLM(pretrained=str(root / FOLDERS[label]), dtype="float32", device="cpu", batch_size=32)
+    params = HarnessParams(enabled=True, tasks=["tagged_answer"], max_gen_toks=max_gen_toks)
+    result = harness.evaluate(lm, params, rows, samples=True)
     harness.write_samples(result["samples"], root / "07_model_output/harness_hf", label)
-    out = {"scores": result["scores"]["gsm8k"], "seconds": time.perf_counter() - started, "torch_threads": threads,
-           "peak_rss_mb": common.peak_rss_mb(), "load_average_at_end": os.getloadavg()}
+    out = {"scores": result["scores"]["tagged_answer"], "documents": len(formatted),
+           "seconds": time.perf_counter() - started, "torch_threads": threads}
     kept.write_text(json.dumps(out))
     return out
 
 
-def _generations(path: Path) -> dict[int, str]:
-    rows = [json.loads(line) for line in path.open()]
-    return {r["doc_id"]: r["resps"][0][0] for r in rows if r["filter"] == "strict-match"}
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def compare(ours: Path, theirs: Path) -> dict:
-    """How many documents got the same generation from both backends, and which did not."""
-    a, b = _generations(ours), _generations(theirs)
-    differ = sorted(i for i in a if a[i] != b.get(i))
-    return {"documents": len(a), "identical": len(a) - len(differ), "differ": differ}
+def table(root: Path) -> dict:
+    """Our scores of base, SFT and GRPO with their intervals and paired tests, and what trained each stage."""
+    first, after_grpo = _json(root / "08_reporting/eval_metrics.json"), _json(root / "08_reporting/grpo_eval_metrics.json")
+    scored = {"base": first.get("base"), "sft": first.get("tuned"), "grpo": after_grpo.get("grpo")}
+    sft, grpo = _json(root / "06_models/sft_result.json"), _json(root / "06_models/grpo_result.json")
+    models = {}
+    for label, m in scored.items():
+        if not m:
+            continue
+        models[label] = {"problems": m["prompts"], **{k: m[k] for k in READINGS},
+                         **{f"{k}_ci95": m[f"{k}_ci95"] for k in READINGS},
+                         "truncated": m.get("truncated"), "mean_completion_tokens": m.get("mean_completion_tokens")}
+        if m.get("paired"):
+            models[label]["paired"] = m["paired"]
+    models.setdefault("sft", {})["training"] = {
+        k: sft.get(k) for k in ("latest_step", "global_batch_size", "sequence_length", "train_seconds", "last_loss")}
+    if grpo:
+        models.setdefault("grpo", {})["training"] = {
+            k: grpo.get(k) for k in ("latest_step", "train_seconds", "completions_per_step", "reward_trend")}
+    return models
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -104,36 +119,26 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--root", default="/tmp/gsm8k_real", help="the run's output root")
     ap.add_argument("--params", default="", help="more kedro --params, comma-separated")
     ap.add_argument("--skip-run", action="store_true", help="reuse a finished run under --root")
-    ap.add_argument("--hf-only", choices=sorted(FOLDERS), help="only lm-eval's hf backend on this model, then stop")
+    ap.add_argument("--skip-hf", action="store_true", help="our scores only")
+    ap.add_argument("--max-gen-toks", type=int, default=256, help="as the recipe's evaluate.max_new_tokens")
     ap.add_argument("--torch-threads", type=int, default=1)
     ap.add_argument("--out", default=str(common.RESULTS / "gsm8k_real.json"))
     args = ap.parse_args(argv)
     root = Path(args.root).resolve()
-    if args.hf_only:
-        return run_hf(root, args.hf_only, harness_params(), args.torch_threads)
 
     out: dict = {"recipe": ENV, "root": str(root), "machine_at_start": common.machine(),
                  "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=common.ROOT, capture_output=True,
                                           text=True).stdout.strip()}
-    out["kedro_run"] = json.loads((root / "kedro_run.json").read_text()) if args.skip_run else run_recipe(root, args.params)
-    metrics = json.loads((root / "08_reporting/eval_metrics.json").read_text())
-    sft = json.loads((root / "06_models/sft_result.json").read_text()) if (root / "06_models/sft_result.json").is_file() else {}
-    out["settings"] = metrics["harness"]["lm_eval"]
-    out["sft"] = {k: sft.get(k) for k in ("latest_step", "first_loss", "last_loss", "train_seconds", "sequence_length", "global_batch_size")}
-
-    params = harness_params()
-    out["models"] = {}
-    for label in FOLDERS:
-        hf = run_hf(root, label, params, args.torch_threads)
-        ours = metrics["harness"][label]["gsm8k"]
-        out["models"][label] = {
-            "ours": {k: ours[k] for k in SCORES},
-            "hf": {k: hf["scores"][k] for k in SCORES},
-            "hf_run": {k: v for k, v in hf.items() if k != "scores"},
-            "generations": compare(root / "07_model_output/harness" / f"{label}_gsm8k.jsonl",
-                                   root / "07_model_output/harness_hf" / f"{label}_gsm8k.jsonl"),
-            "ours_eval": {k: metrics[label].get(k) for k in ("eval_loss", "format_compliance", "answer_accuracy")},
-        }
+    out["kedro_run"] = _json(root / "kedro_run.json") if args.skip_run else run_recipe(root, args.params)
+    out["data"] = {k: v for k, v in _json(root / "08_reporting/data_quality.json").get("totals", {}).items()
+                   if k in ("train_rows", "dev_rows", "test_rows", "overlap_with_eval_only")}
+    out["models"] = table(root)
+    if not args.skip_hf:
+        for label in FOLDERS:
+            if label in out["models"]:
+                hf = run_hf(root, label, args.max_gen_toks, args.torch_threads)
+                out["models"][label]["hf"] = {ours: hf["scores"][theirs] for ours, theirs in zip(READINGS, HF_READINGS)}
+                out["models"][label]["hf_run"] = {k: v for k, v in hf.items() if k != "scores"}
     out["machine_at_end"] = common.machine()
     common.RESULTS.mkdir(parents=True, exist_ok=True)
     common.emit(out, args.out)

@@ -74,9 +74,9 @@ class DevEval:
         self.keep = KeepStep()
         self.curve: list[dict] = []
         self.model = self.curve_dir = self._generator = None
-        self.max_steps, self.examples_per_step = None, 0
+        self.max_steps, self.examples_per_step = None, 0.0
 
-    def start(self, trainer, mesh, curve_dir: epath.Path, examples_per_step: int, stopping=lambda: False) -> DevEval:
+    def start(self, trainer, mesh, curve_dir: epath.Path, examples_per_step: float, stopping=lambda: False) -> DevEval:
         """Continues the curve saved in `curve_dir` up to the trainer's restored step (its best step stays
         preserved), then measures after each checkpoint `trainer` saves at a dev step (wraps its manager's `save`)
         unless `stopping()`: a preempted run saves and leaves at once, and its point is measured when it resumes."""
@@ -116,7 +116,7 @@ class DevEval:
         with mesh:
             texts, lengths = self._generator(self.rows["prompt"].tolist())
         metrics, _ = score(self.stage, self.rows, texts, self.params, lengths)
-        point = {"step": step, "examples": step * self.examples_per_step, "prompts": len(self.rows),
+        point = {"step": step, "examples": round(step * self.examples_per_step), "prompts": len(self.rows),
                  **{name: metrics[name] for name in METRICS}}
         self.curve = [p for p in self.curve if p["step"] < step] + [point]
         self.keep.step = best_step(self.curve)

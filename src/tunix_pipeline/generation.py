@@ -1,9 +1,10 @@
 """Generation with Tunix's KV-cache sampler, for evaluation, preference pairs, GRPO's rollouts and the harness.
 
-- `end_tokens`: the token ids a generation stops at (EOS and, where the vocabulary has it, Gemma's end of turn);
+- `end_tokens`: the token ids a generation stops at (EOS and, where the vocabulary has them, Gemma's end of turn and,
+  for evaluation and pairs, start of turn: a model that opens a new turn has closed its own);
 - `prompt_lengths`: prompts counted in tokens as the sampler counts them, so a length limit means what it says;
-- `make_sampler` / `sampling_args` / `Generator`: the sampler (`upstream.Sampler`), its arguments, and
-  fixed-shape batches over it;
+- `make_sampler` / `sampling_args` / `Generator`: the sampler (`upstream.Sampler`), its arguments, and continuous
+  batching over it (each row stops at its own end, its slot takes the next prompt);
 - `scored_split`: the eval rows models are scored on (the test split when there is one);
 - `fitting_prompts` / `select_prompts`: the prompts that fit a stage's `max_prompt_length` (the rest skipped,
   counted and logged under that stage's setting), and the prompt length the sampler's cache is sized for.
@@ -17,17 +18,24 @@ import time
 import numpy as np
 import pandas as pd
 
-from tunix_pipeline.answers import GEMMA_END_OF_TURN
+from tunix_pipeline.answers import GEMMA_END_OF_TURN, TAGS
 from tunix_pipeline.config import EvaluateParams
 from tunix_pipeline.progress import Progress
 
 log = logging.getLogger(__name__)
 
+GEMMA_START_OF_TURN = "<start_of_turn>"
 
-def end_tokens(tokenizer) -> list[int]:
+
+def end_tokens(tokenizer, new_turn: bool = False) -> list[int]:
+    """EOS and, where the vocabulary has it, Gemma's end of turn; with `new_turn`, also its start of turn (a model that
+    opens a new turn has closed its own: a base model that never closes its turn goes on to write the next one).
+    Evaluation and pairs (`Generator`) stop at all three; GRPO's rollouts at the first two (a rollout stopped at its
+    first token is empty, and Tunix's loss leaves empty rows out of each micro-batch's mean)."""
     stop = [tokenizer.eos_token_id]
-    if GEMMA_END_OF_TURN in tokenizer.get_vocab():
-        stop.append(tokenizer.convert_tokens_to_ids(GEMMA_END_OF_TURN))
+    vocab = tokenizer.get_vocab()
+    stop += [tokenizer.convert_tokens_to_ids(t) for t in (GEMMA_END_OF_TURN, GEMMA_START_OF_TURN)[: 1 + new_turn]
+             if t in vocab]
     return [t for t in stop if t is not None]
 
 
@@ -85,40 +93,50 @@ def sampling_args(temperature: float, top_p: float | None, top_k: int | None) ->
 
 
 class Generator:
-    """Tunix's `Sampler` with one KV cache shape: fixed batch and prompt length, one compile; `decode_weights`:
-    `gathers_weights`'."""
+    """Continuous batching over our sampler (`upstream.Sampler.generate_rows`): `batch_size` slots; a row stops at
+    `end_tokens` with a new turn (not kept), at the closing answer tag (kept: the scorer reads the closed tag; what
+    follows is never generated) or at `max_new_tokens`, and its slot takes the next prompt, so no row waits for a
+    looping one. `decode_weights`: `gathers_weights`'."""
 
-    def __init__(self, model, tokenizer, params: EvaluateParams, prompt_length: int, decode_weights: str = "sharded"):
+    def __init__(self, model, tokenizer, params: EvaluateParams, prompt_length: int, decode_weights: str = "sharded",
+                 stop_strings: tuple[str, ...] = (TAGS[3],)):
         self.params = params
         self.prompt_length = prompt_length
-        self.stop = end_tokens(tokenizer)
-        self.sampler = make_sampler(model, tokenizer, prompt_length + params.max_new_tokens, params.num_samples,
-                                    gathers_weights(decode_weights, model))
+        self.stop = end_tokens(tokenizer, new_turn=True)
+        self.stop_strings = tuple(stop_strings)
+        # rows share one cache write index: the oldest row's prompt stays behind it, the newest row's tokens ahead
+        cache = prompt_length + 2 * params.max_new_tokens
+        self.sampler = make_sampler(model, tokenizer, cache, params.num_samples, gathers_weights(decode_weights, model))
 
     def __call__(self, prompts: list[str]) -> tuple[list[str], list[int]]:
         """(texts, completion lengths in tokens), `num_samples` consecutive ones per prompt."""
         p = self.params
         expanded = [prompt for prompt in prompts for _ in range(p.num_samples)]
         sampling = sampling_args(p.temperature, p.top_p, p.top_k)
-        texts, lengths = [], []
-        report = Progress("generate", -(-len(expanded) // p.batch_size), bar=True, unit="batch")
-        for i, start in enumerate(range(0, len(expanded), p.batch_size)):
-            started = time.perf_counter()
-            chunk = expanded[start : start + p.batch_size]
-            padded = chunk + [chunk[-1]] * (p.batch_size - len(chunk))  # one compiled shape for every chunk
-            out = self.sampler(
-                padded,
-                max_generation_steps=p.max_new_tokens,
-                max_prompt_length=self.prompt_length,
-                eos_tokens=self.stop,
-                seed=p.seed + i if sampling else None,
-                **sampling,
-            )
-            texts.extend(out.text[: len(chunk)])
-            lengths.extend(int(len(t)) for t in out.tokens[: len(chunk)])
-            report.update(i + 1, tokens_per_sec=sum(lengths[start:]) / (time.perf_counter() - started))
+        report = Progress("generate", len(expanded), bar=True, unit="row")
+        started = time.perf_counter()
+
+        def progress(rows: int, tokens: int) -> None:
+            if rows:
+                report.update(rows, tokens_per_sec=tokens / (time.perf_counter() - started))
+
+        # slots refill an eighth of the batch at a time (fewer idle slots, against more returns to the host), in
+        # whole groups of samples (one prefill per group)
+        refill = max(p.num_samples, p.batch_size // 8 // p.num_samples * p.num_samples)
+        rows = self.sampler.generate_rows(
+            expanded, batch_size=p.batch_size, max_prompt_length=self.prompt_length,
+            max_generation_steps=p.max_new_tokens, eos_tokens=self.stop, stop_strings=self.stop_strings, refill=refill,
+            seed=p.seed if sampling else None, progress=progress, **sampling,
+        )
         report.close()
-        return texts, lengths
+        texts = [through_stop(self.sampler.tokenizer.decode(r.tolist()), self.stop_strings) for r in rows]
+        return texts, [len(r) for r in rows]
+
+
+def through_stop(text: str, stop_strings: tuple[str, ...]) -> str:
+    """`text` up to and including the first of `stop_strings` it holds (the token that completed it may spell more)."""
+    cut = min((text.find(s) + len(s) for s in stop_strings if s in text), default=len(text))
+    return text[:cut]
 
 
 def fitting_prompts(

@@ -134,6 +134,11 @@ def row_token_counts(arrays: dict) -> tuple[int, np.ndarray]:
     return segments.shape[1], (segments != 0).sum(axis=1)
 
 
+def examples_per_row(arrays: dict) -> float:
+    """Training examples a token row holds on average: its segments (several in a packed row)."""
+    return float(np.mean([len(np.unique(row[row != 0])) for row in arrays["segment_ids"]]))
+
+
 class StepClock:
     """Wall time per step and per checkpoint save, to stop before a deadline with time to save."""
 
@@ -331,8 +336,8 @@ def train(
     with upstream.scalar_listeners_scope(), mesh:
         trainer = _trainer(model, sft, mesh, checkpoints.logger_options(ckpt_dir, metrics_backends), ckpt_dir, dev)
         if dev:
-            dev.start(trainer, mesh, ckpt_dir, batch_size * sft.gradient_accumulation_steps,
-                      stopping=lambda: feed.stop_reason == "SIGTERM")
+            examples = batch_size * sft.gradient_accumulation_steps * examples_per_row(feed.arrays)
+            dev.start(trainer, mesh, ckpt_dir, examples, stopping=lambda: feed.stop_reason == "SIGTERM")
         trainer.with_loss_fn(loss_fn_for(sft)).with_gen_model_input_fn(model_inputs)
         trainer.with_training_hooks(
             throughput_hooks(feed.step_tokens, flops_per_token, peak_flops_per_device, mesh.devices.size)
