@@ -4,7 +4,7 @@ The converted PyPI model is exported by us (`export_pretrained`) and both backen
 (`harness.make_lm`, Tunix's sampler on the JAX model) and lm-eval's `hf` (transformers on torch), both in
 float32. lm-eval builds the same 5-shot prompts for both (examples from the train file, seeded), so greedy
 generation must give the same texts and the same strict-match and flexible-extract scores. The full-size
-run (base and tuned, 48 documents, 256 new tokens) is `benchmarks/gsm8k_real.py` (benchmarks/RESULTS.md).
+run of the GSM8K recipe (base, SFT, GRPO on the test split) is `benchmarks/gsm8k_real.py` (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
