@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = harness.write_rows(formatted, tokenizer, tmp / "eval_rows.jsonl")
 
     def task(lm):
-        return lambda: harness.evaluate(lm, params, rows)["scores"]["tagged_answer"]["exact_match,tagged"]
+        return lambda: harness.evaluate(lm, params, rows)["scores"]["tagged_answer"]["strict,none"]
 
     bos = tokenizer.bos_token
     pairs = [(p.removeprefix(bos), c) for p, c in zip(formatted["prompt"], formatted["completion"])][: args.limit]
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
             "ours_over_hf_cold": hf_seconds / ours_cold,
         }
         if name == "generate_until":
-            out[name]["exact_match"] = {"ours": warm, "hf": theirs}
+            out[name]["strict"] = {"ours": warm, "hf": theirs}  # tagged_answer's strict reading
         else:
             import numpy as np
 

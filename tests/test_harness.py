@@ -228,17 +228,18 @@ def test_evaluate_pipeline_runs_the_harness_on_base_and_tuned(project):
     reporting = project / "data" / "08_reporting"
     metrics = json.loads((reporting / "eval_metrics.json").read_text())
     for label in ("base", "tuned"):
-        assert 0 <= metrics["harness"][label]["tagged_answer"]["exact_match,tagged"] <= 1
+        scores = metrics["harness"][label]["tagged_answer"]
+        assert all(0 <= scores[f"{reading},none"] <= 1 for reading in ("strict", "lenient", "format"))
     settings = metrics["harness"]["lm_eval"]
-    assert settings["lm_eval_version"] == lm_eval.__version__ and settings["task_versions"] == {"tagged_answer": "1.0"}
+    assert settings["lm_eval_version"] == lm_eval.__version__ and settings["task_versions"] == {"tagged_answer": "2.0"}
     assert settings["limit"] == 2 and not settings["full_task"] and settings["documents"] == {"tagged_answer": 2}
     assert settings["bos"].startswith("prepended")
     report = (reporting / "eval_report.md").read_text()
     assert "## lm-evaluation-harness" in report and "limit 2 documents per task: NOT a full-task score" in report
-    assert "| tagged_answer exact_match,tagged |" in report
+    assert "| tagged_answer lenient,none |" in report
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'data' / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("tunix_pipeline").experiment_id])[0]
     assert run.data.params["eval_metrics.harness.lm_eval.lm_eval_version"] == lm_eval.__version__
     assert run.data.params["eval_metrics.harness.lm_eval.limit"] == "2"
-    assert "eval_metrics.harness.tuned.tagged_answer.exact_match_tagged" in run.data.metrics
+    assert "eval_metrics.harness.tuned.tagged_answer.lenient_none" in run.data.metrics
