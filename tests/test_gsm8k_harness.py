@@ -132,7 +132,6 @@ def test_the_fair_score_is_the_same_from_our_evaluation_and_lm_evals_hf_backend(
     """GSM8K test problems in the recipe's prompt (the chat template with the format instruction): our evaluation
     (`Generator`, `evaluation.score`) and lm-eval's `hf` backend through the shipped tagged_answer task read every
     generation alike, strict, lenient and format, so the scores are equal."""
-    import pandas as pd
     from lm_eval.models.huggingface import HFLM
     from transformers import AutoTokenizer
 
@@ -176,6 +175,7 @@ def test_the_fair_score_is_the_same_from_our_evaluation_and_lm_evals_hf_backend(
     by_doc = sorted(theirs["samples"]["tagged_answer"], key=lambda s: s["doc_id"])
     for row, sample in zip(samples.to_dict(orient="records"), by_doc):
         read = readings(sample["resps"][0][0], row["reference"])
-        assert (read["extracted"], read["lenient_answer"], read["format"]) == (
-            row["extracted"], row["lenient"], row["well_formed"]), (row["generated"], sample["resps"][0][0])
-    assert samples["generated"].str.len().gt(20).all() and pd.Series(texts).nunique() == problems
+        assert (read["text"], read["extracted"], read["lenient_answer"], read["format"]) == (
+            row["generated"], row["extracted"], row["lenient"], row["well_formed"])
+    # the base model, told the format, repeats the instruction up to its </answer> (RESULTS section 13): real text
+    assert samples["generated"].str.len().gt(20).all()
