@@ -152,6 +152,7 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--lora-alpha", type=float, default=32.0)
     parser.add_argument("--skip-old", action="store_true")
+    parser.add_argument("--skip-base", action="store_true", help="with --checkpoint: the tuned model alone")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -173,7 +174,8 @@ def main() -> None:
     timer = common.CompileTimer()
     models = {}
     with mesh:
-        models["base"] = run_model(model, tokenizer, chosen, args, prompt_length, timer)
+        if not (args.skip_base and args.checkpoint):
+            models["base"] = run_model(model, tokenizer, chosen, args, prompt_length, timer)
         if args.checkpoint:
             lora = ModelParams(lora=LoraParams(rank=args.lora_rank, alpha=args.lora_alpha))
             tuned, _ = load_run_model(folder, lora, mesh, quantize=False)
