@@ -42,7 +42,10 @@ def cases(recipes: bool, layers: int):
         return
     # the recipes' steps as their plans set them up (conf/<recipe>/parameters.yml)
     yield "tpu_full", gemma, TrainSetup(per_device_batch=4, seq_len=1024, fsdp=8, param_dtype="bfloat16",
-                                        remat="decoder", loss_chunk=256), "v5e:2x4", 1
+                                        remat="decoder"), "v5e:2x4", 1
+    # what the memory the chunked loss freed would buy it: float32 master weights under bf16 compute
+    yield "tpu_full_f32_masters", gemma, TrainSetup(per_device_batch=4, seq_len=1024, fsdp=8, param_dtype="float32",
+                                                    compute_dtype="bfloat16", remat="decoder"), "v5e:2x4", 1
     qwen = from_hf_config(known["Qwen/Qwen2.5-0.5B"], "Qwen/Qwen2.5-0.5B")
     yield "qwen05b_v5e8", qwen, TrainSetup(per_device_batch=4, seq_len=1000, fsdp=8, compute_dtype="bfloat16",
                                            remat="decoder", grad_accum=2), "v5e:2x4", 1

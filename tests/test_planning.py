@@ -123,16 +123,15 @@ def test_the_hardware_guides_examples():
 
 
 def test_gemma_2b_full_at_batch_4_and_length_1024_on_a_v5e_8():
-    # seed 000/004's job: the estimate says it does not fit 16 GiB per chip as configured
-    # (~27 GiB: Gemma's 256k-vocabulary logits in float32 and 18 layers of activations; XLA:TPU
-    # compiled for a v5e 2x4 topology gave ~26 GiB), and says what would
+    # seed 000/004's job: the estimate says it does not fit 16 GiB per chip without remat (~20 GiB: 18
+    # layers of activations and gathered weights; the loss's logits are a chunk at a time), and says what would
     fits, gib = _fits("google/gemma-2b", "tpu-v5e-8", batch=4, length=1024)
-    assert not fits and 20 < gib < 34
+    assert not fits and 16 < gib < 26
     plan = _plan(ModelParams(source="google/gemma-2b", dtype="bfloat16"), "kaggle-tpu-v5e-8", per_device_batch_size=4,
                  max_length=1024, max_steps=3000, checkpoint_every=1000)
     assert plan.status == "over"
     assert any(a.startswith("remat") for a in plan.advice)
-    assert any(a.startswith("per-device batch 1") for a in plan.advice)
+    assert any(a.startswith("per-device batch 2") for a in plan.advice)
     assert plan.recommended is not None and plan.recommended.fits
 
 

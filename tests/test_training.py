@@ -139,8 +139,8 @@ def test_chunked_loss_and_its_gradient_equal_the_whole(tiny_model_dir, token_row
     def loss(m, chunk):
         return completion_loss(m, **batch, chunk_size=chunk)
 
-    whole, g_whole = nnx.value_and_grad(loss)(model, None)
-    chunked, g_chunked = nnx.value_and_grad(loss)(model, 10)  # 47 positions: the last chunk is padded
+    whole, g_whole = nnx.value_and_grad(loss)(model, 64)  # 47 positions: one chunk
+    chunked, g_chunked = nnx.value_and_grad(loss)(model, 10)  # the last chunk is padded
     # the same per-token terms, summed chunk by chunk: a reordered sum of n tokens
     np.testing.assert_allclose(chunked, whole, rtol=_completion_tokens(batch) * EPS)
     _assert_gradients_close(g_chunked, g_whole, terms=batch["input_tokens"].size)

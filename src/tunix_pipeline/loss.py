@@ -1,8 +1,10 @@
 """The SFT loss: mean next-token NLL over completion tokens, from integer labels.
 
-Tunix's default loss one-hot encodes the whole vocabulary (256k wide for Gemma);
-this one takes integer labels, optionally in chunks of positions, and packed rows
-attend only within their own example (`model_inputs`).
+Tunix's default loss one-hot encodes the whole vocabulary (256k wide for Gemma) and
+runs the output layer at every position; this one takes integer labels and runs the
+output layer at the completion's positions only, a chunk at a time (`target_logps`,
+which preference's log-probabilities share). Packed rows attend only within their
+own example (`model_inputs`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from tunix_pipeline.config import SftParams
+from tunix_pipeline import upstream
+from tunix_pipeline.config import DEFAULT_LOSS_CHUNK, SftParams
 
 
 def model_inputs(batch: dict) -> dict:
@@ -36,36 +39,95 @@ def _as_dtype(model, dtype):
     return nnx.merge(graphdef, cast)
 
 
-def token_nll(model, input_tokens, loss_mask, positions, attention_mask, chunk_size=None, compute_dtype=None):
+def target_logps(model, input_tokens, target_mask, positions, attention_mask, chunk_size: int = DEFAULT_LOSS_CHUNK):
+    """Per row, the summed log-probability of the tokens where `target_mask` is set, each predicted from the
+    positions before it.
+
+    The output layer runs only at those positions (each row's moved to its front, in order), `chunk_size` of them
+    per row at a time, only as many chunks as the row with the most targets fills (`chunked_logps`), so neither
+    the [batch, length, vocabulary] logits nor their gradient ever exist whole. Models whose call we cannot split
+    (`upstream.decoder_and_output_layer`) give their whole logits."""
+    targets, mask = input_tokens[:, 1:], target_mask[:, 1:].astype(jnp.float32)
+    split = upstream.decoder_and_output_layer(model)
+    if split is None:
+        logits, _ = model(input_tokens, positions, None, attention_mask)
+        return -jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1].astype(jnp.float32), targets)
+                        * mask, axis=1)
+    decoder, output_layer, head = split
+    hidden = decoder(input_tokens, positions, attention_mask)[:, :-1]
+    order = jnp.argsort(mask == 0, axis=1, stable=True)
+    hidden = jnp.take_along_axis(hidden, order[:, :, None], axis=1)
+    targets, mask = jnp.take_along_axis(targets, order, axis=1), jnp.take_along_axis(mask, order, axis=1)
+    rows, length = mask.shape
+    chunk = min(chunk_size, length)
+    pad = -length % chunk
+
+    def chunks(x):  # [rows, length, ...] -> [chunks, rows, chunk, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(rows, -1, chunk, *x.shape[2:]), 1, 0)
+
+    used = (jnp.max(jnp.sum(mask, axis=1)).astype(jnp.int32) + chunk - 1) // chunk
+    return chunked_logps(output_layer, head, chunks(hidden), chunks(targets), chunks(mask), used)
+
+
+def chunked_logps(output_layer, head, hidden, targets, mask, used):
+    """Per row, the summed target log-probabilities of the first `used` chunks of `hidden` ([chunks, rows, chunk,
+    width]; the rest hold no target), with `output_layer(head, hidden)` the logits.
+
+    A loop over the chunks forwards and backwards, written out (custom VJP): the backward pass recomputes a
+    chunk's logits, and the loop's bound is a value, so chunks without targets cost nothing (differentiated
+    through a `cond` instead, XLA:TPU keeps a head-sized gradient per branch: +3 GB for Gemma-2B at 1 x 1024).
+    The head's gradient is computed only when the head is trained (not under LoRA)."""
+    rows = hidden.shape[1]
+
+    def chunk_logps(k, head, hidden_k):
+        logits = output_layer(head, hidden_k)
+        return -jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets[k]) * mask[k], axis=1)
+
+    @jax.custom_vjp
+    def logps(head, hidden):
+        return jax.lax.fori_loop(0, used, lambda k, total: total + chunk_logps(k, head, hidden[k]),
+                                 jnp.zeros((rows,), jnp.float32))
+
+    trained = []  # whether any of the head's weights is differentiated (set while the forward rule traces)
+
+    def forward(head, hidden):
+        trained.append(any(leaf.perturbed for leaf in jax.tree.leaves(head)))
+        head, hidden = jax.custom_derivatives.custom_vjp_primal_tree_values((head, hidden))
+        return logps(head, hidden), (head, hidden)
+
+    def backward(residuals, row_cotangent):
+        head, hidden = residuals
+
+        def step(k, grads):
+            d_head, d_hidden = grads
+            weighted = lambda h, x: jnp.sum(chunk_logps(k, h, x) * row_cotangent)  # noqa: E731
+            if trained[-1]:
+                g_head, g_hidden = jax.grad(weighted, argnums=(0, 1))(head, hidden[k])
+                d_head = jax.tree.map(jnp.add, d_head, g_head)
+            else:
+                g_hidden = jax.grad(weighted, argnums=1)(head, hidden[k])
+            return d_head, d_hidden.at[k].set(g_hidden.astype(d_hidden.dtype))
+
+        zero_head = jax.tree.map(jnp.zeros_like, head) if trained[-1] else None
+        d_head, d_hidden = jax.lax.fori_loop(0, used, step, (zero_head, jnp.zeros_like(hidden)))
+        return d_head, d_hidden
+
+    logps.defvjp(forward, backward, symbolic_zeros=True)
+    return logps(head, hidden)
+
+
+def token_nll(model, input_tokens, loss_mask, positions, attention_mask, chunk_size: int = DEFAULT_LOSS_CHUNK,
+              compute_dtype=None):
     """(sum of next-token NLL over completion tokens, number of such tokens)."""
     if compute_dtype is not None:
         model = _as_dtype(model, compute_dtype)
-    logits, _ = model(input_tokens, positions, None, attention_mask)
-    logits, targets = logits[:, :-1], input_tokens[:, 1:]
-    mask = loss_mask[:, 1:].astype(jnp.float32)
-    if chunk_size is None or chunk_size >= logits.shape[1]:
-        nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-        return jnp.sum(nll * mask), jnp.sum(mask)
-
-    # chunks of positions, each recomputed in the backward pass: the fp32 softmax
-    # over the vocabulary never exists for the whole sequence at once
-    pad = -logits.shape[1] % chunk_size
-    logits = jnp.pad(logits, ((0, 0), (0, pad), (0, 0)))
-    targets, mask = jnp.pad(targets, ((0, 0), (0, pad))), jnp.pad(mask, ((0, 0), (0, pad)))
-    b, n = logits.shape[0], logits.shape[1] // chunk_size
-
-    @jax.checkpoint
-    def chunk_nll(args):
-        lg, tg, mk = args
-        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(lg.astype(jnp.float32), tg) * mk)
-
-    def split(x):
-        return jnp.moveaxis(x.reshape(b, n, chunk_size, *x.shape[2:]), 1, 0)
-
-    return jnp.sum(jax.lax.map(chunk_nll, (split(logits), split(targets), split(mask)))), jnp.sum(mask)
+    logps = target_logps(model, input_tokens, loss_mask, positions, attention_mask, chunk_size)
+    return -jnp.sum(logps), jnp.sum(loss_mask[:, 1:].astype(jnp.float32))
 
 
-def completion_loss(model, input_tokens, loss_mask, positions, attention_mask, chunk_size=None, compute_dtype=None):
+def completion_loss(model, input_tokens, loss_mask, positions, attention_mask, chunk_size: int = DEFAULT_LOSS_CHUNK,
+                    compute_dtype=None):
     """Mean NLL over completion tokens, from integer labels (no one-hot)."""
     total, count = token_nll(model, input_tokens, loss_mask, positions, attention_mask, chunk_size, compute_dtype)
     return total / jnp.maximum(count, 1.0)

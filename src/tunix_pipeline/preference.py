@@ -26,6 +26,7 @@ from flax import nnx
 
 from tunix_pipeline import checkpoints, runtime, upstream
 from tunix_pipeline.config import PreferenceParams
+from tunix_pipeline.loss import target_logps
 from tunix_pipeline.pairs import PAIR_TOKEN_COLUMNS, pair_arrays
 from tunix_pipeline.progress import throughput_hooks, train_flops_per_token
 from tunix_pipeline.skips import NothingToLearn
@@ -94,16 +95,20 @@ def pair_accuracy(chosen_reward, rejected_reward):
 
 
 def sequence_logps(model, example):
-    """(chosen sums, rejected sums, chosen lengths, rejected lengths) of a Tunix `TrainExample`."""
-    from tunix.sft.dpo import dpo_trainer
-
-    chosen, rejected = dpo_trainer.compute_logps(
-        model, example.input_ids, example.positions, example.attention_mask, example.logits_to_keep,
-        example.completion_mask,
-    )
-    lengths = example.completion_mask.sum(axis=-1)
+    """(chosen sums, rejected sums, chosen lengths, rejected lengths) of a Tunix `TrainExample`: its answers'
+    log-probabilities with the output layer at the answers' positions only (`loss.target_logps`)."""
+    answers = example.completion_mask
+    prompt = example.input_ids.shape[1] - example.logits_to_keep
+    targets = jnp.concatenate([jnp.zeros((answers.shape[0], prompt), answers.dtype), answers], axis=1)
+    logps = target_logps(model, example.input_ids, targets, example.positions, example.attention_mask)
+    lengths = answers.sum(axis=-1)
     half = lengths.shape[0] // 2
-    return chosen, rejected, lengths[:half], lengths[half:]
+    return logps[:half], logps[half:], lengths[:half], lengths[half:]
+
+
+def reference_logps(model, example):
+    """(chosen sums, rejected sums) of the reference model, for the trainer's reference pass."""
+    return sequence_logps(model, example)[:2]
 
 
 def loss_fn_for(params: PreferenceParams):
@@ -302,7 +307,7 @@ def _trainer(model, reference, params: PreferenceParams, ckpt_dir, logging_optio
         metrics_prefix=METRICS_PREFIX,
     )
     return training.restored_trainer(
-        lambda optimizer: upstream.preference_trainer_class()(model, reference, optimizer, config), params,
+        lambda optimizer: upstream.preference_trainer_class(reference_logps)(model, reference, optimizer, config), params,
         params.max_steps, ckpt_dir, mesh,
     )
 

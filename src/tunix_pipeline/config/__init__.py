@@ -14,7 +14,7 @@ from tunix_pipeline.config.model import (
     TinyModelParams, LoraParams, ModelParams,
 )
 from tunix_pipeline.config.training import (
-    DistributedParams, RuntimeParams, OptimizerSettings, CheckpointSettings, DevEvalParams, SftParams,
+    DEFAULT_LOSS_CHUNK, DistributedParams, RuntimeParams, OptimizerSettings, CheckpointSettings, DevEvalParams, SftParams,
 )
 from tunix_pipeline.config.evaluate import (
     HarnessParams, EvaluateParams, ExportParams, WandbParams, SystemMetricsParams, RegistryParams, TrackingParams,
@@ -42,6 +42,7 @@ __all__ = [
     "OptimizerSettings",
     "CheckpointSettings",
     "SftParams",
+    "DEFAULT_LOSS_CHUNK",
     "HarnessParams",
     "EvaluateParams",
     "ExportParams",

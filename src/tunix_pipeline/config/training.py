@@ -9,6 +9,10 @@ from pydantic import Field, model_validator
 
 from tunix_pipeline.config.base import Strict
 
+# completion positions per row in each chunk of the output layer: [batch, 128, vocabulary] float32 logits at a
+# time (Gemma's 262k words: 128 MiB a row), few enough chunks that a row's last one is mostly full
+DEFAULT_LOSS_CHUNK = 128
+
 
 class DistributedParams(Strict):
     """Arguments of `jax.distributed.initialize` (one process per host)."""
@@ -89,8 +93,8 @@ class SftParams(OptimizerSettings, CheckpointSettings):
     compute_dtype: Literal["bfloat16"] | None = None
     # activation rematerialisation: none, attention (each attention block), decoder (each whole layer)
     remat: Literal["none", "attention", "decoder"] = "none"
-    # cross-entropy in chunks of this many positions (less memory for large vocabularies); null: at once
-    loss_chunk_size: int | None = Field(None, gt=0)
+    # the output layer and cross-entropy run over this many completion positions of every row at a time
+    loss_chunk_size: int = Field(DEFAULT_LOSS_CHUNK, gt=0)
     checkpoint_dir: str = "data/06_models/sft_checkpoints"
     checkpoint_every: int = Field(gt=0)
     eval_every: int | None = Field(None, gt=0)

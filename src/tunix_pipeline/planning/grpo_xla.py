@@ -31,7 +31,7 @@ from tunix_pipeline.planning.architecture import Architecture
 from tunix_pipeline.planning.memory import GIB, TrainSetup, estimate_memory
 from tunix_pipeline.planning.xla import abstract, abstract_policy, measure
 from tunix_pipeline.runtime import whole_over_batch
-from tunix_pipeline.upstream import accelerator_sharding
+from tunix_pipeline.upstream import accelerator_sharding, completion_logits_only
 
 
 def _rows(mesh, sequences: int, shape: tuple, dtype):
@@ -124,7 +124,7 @@ def compile_update_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
         opt.update(model, grads)
         return loss, nnx.state(model, wrt), nnx.state(opt)
 
-    with accelerator_sharding(), mesh:
+    with accelerator_sharding(), completion_logits_only(), mesh:  # as `grpo.train_grpo` runs it
         lowered = jax.jit(train_step, donate_argnums=(2,)).lower(
             abstract(trained, mesh), abstract(frozen, mesh), abstract(opt_state, mesh), example
         )

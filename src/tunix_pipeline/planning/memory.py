@@ -26,10 +26,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from tunix_pipeline.config import DEFAULT_LOSS_CHUNK
 from tunix_pipeline.planning.architecture import Architecture
 
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2}
+# XLA:TPU's float32 (batch, chunk, vocabulary) buffers of the chunked loss's backward: FIT BELOW
+LOSS_CHUNK_COPIES = 3.0
 # bytes per weight of a frozen nf4 base: 4 bits and a float32 scale per block of 64
 NF4_BYTES = 0.5 + 4 / 64
 
@@ -80,7 +83,8 @@ class TrainSetup:
     optimizer: str = "adamw"  # adamw | adafactor
     grad_accum: int = 1
     remat: str = "none"  # none | attention | decoder (Tunix's RematConfig BLOCK / DECODER)
-    loss_chunk: int | None = None  # sft.loss_chunk_size
+    loss_chunk: int | None = DEFAULT_LOSS_CHUNK  # sft.loss_chunk_size; None: the whole logits (GRPO's update)
+    logit_positions: int | None = None  # with loss_chunk None, a row's positions with logits; None: every one
 
     @property
     def devices(self) -> int:
@@ -215,21 +219,21 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
     head = arch.vocab_size * d * c
     # the head's weight gradient: none for a frozen head (LoRA), the sharded gradient itself with fsdp 1
     gradient_head = head if s.fsdp > 1 and s.mode == "full" else 0.0
-    logits = tokens * arch.vocab_size * a
+    logits = s.per_device_batch * (s.logit_positions or length) * arch.vocab_size * a
     if not s.loss_chunk:
         # XLA:TPU's buffer assignment (Gemma-2B, one layer, 1 x 512 to 4 x 1024 tokens a chip) holds the
         # float32 logits (the upcast; the log-sum-exp's exponentials reuse it) and either the head's whole
         # gradient beside one copy of the logits (small logits: 1 x 512) or, the head's gradient coming
         # after them, two copies (the logits and their gradient: 4 x 1024); the estimate takes the larger.
         # The head's gradient, reduce-scattered to its shard, then stays until the update
-        f32 = tokens * arch.vocab_size * 4
+        f32 = logits / a * 4
         shard = gradient_head / (s.fsdp * tp)
         loss = head + f32 + max(gradient_head + logits, 2 * logits) + shard
     else:
-        # backward of the chunked loss: the logits (the chunks are recomputed from them), their
-        # gradient assembled chunk by chunk, and one chunk's float32 softmax with its gradient
+        # `loss.target_logps`: the output layer a chunk of positions at a time, recomputed in the backward
+        # pass; one chunk's float32 logits, their softmax and gradient at a time, never the whole logits
         chunk = s.per_device_batch * min(s.loss_chunk, length) * arch.vocab_size * 4
-        loss = head + gradient_head + 2 * logits + 2 * chunk
+        loss = head + gradient_head + LOSS_CHUNK_COPIES * chunk + gradient_head / (s.fsdp * tp)
     return activations, loss, one_layer
 
 
@@ -252,11 +256,9 @@ def _kept_on_cpu(arch: Architecture, s: TrainSetup, frozen_bytes: float) -> tupl
 
     vocab_tp = s.tp if k.vocab_over_tp else 1
     vocab_dev = arch.vocab_size / vocab_tp
-    f32_positions = tokens if not s.loss_chunk else s.per_device_batch * min(s.loss_chunk, s.seq_len)
+    f32_positions = s.per_device_batch * (min(s.loss_chunk, s.seq_len) if s.loss_chunk else s.logit_positions or s.seq_len)
     compute_copies = k.logit_compute_copies if c < 4 else 0.0
-    logits = vocab_dev * (f32_positions * k.logit_f32_copies * 4 + tokens * compute_copies * c)
-    if s.loss_chunk:
-        logits += tokens * vocab_dev * c  # the whole logits beside the chunks
+    logits = vocab_dev * f32_positions * (k.logit_f32_copies * 4 + compute_copies * c)
     head = arch.vocab_size * d / vocab_tp * c
     logits += k.head_copies * head if s.fsdp > 1 else head
     logits += arch.embedding_params / (s.fsdp * s.tp) * s.p_bytes if s.mode == "full" else 0.0  # embedding gradients

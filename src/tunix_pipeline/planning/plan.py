@@ -70,6 +70,7 @@ class Plan:
     status: str  # ok | risky | over
     warnings: list[str]
     advice: list[str]  # what would make the selected run fit
+    headroom: list[str] = dataclasses.field(default_factory=list)  # what the memory a fitting run leaves would hold
     xla: dict | None = None  # the XLA check, when run
     assumptions: dict = dataclasses.field(default_factory=dict)
     preference: dict | None = None  # the preference stage, when it is on (planning.preference)
@@ -113,6 +114,7 @@ class Plan:
             "recommended_hours": self.recommended.hours if self.recommended else None,
             "warnings": list(self.warnings),
             "advice": list(self.advice),
+            "headroom": list(self.headroom),
             "assumptions": self.assumptions,
             "profiles": {
                 r.profile: {
@@ -260,12 +262,13 @@ def make_plan(job: Job, plan: PlanParams, selected: tuple[str, HardwareProfile],
     candidates = [r for r in rows if r.fits and r.within_budget and r.sessions > 0]
     recommended = min(candidates, key=lambda r: (_price(r, plan), r.hours)) if candidates else None
 
-    warnings, advice = [], []
+    warnings, advice, headroom = [], [], []
     if not chosen.fits:
         status = "over"
         advice = what_would_fit(job, chosen, plan)
     else:
         status = "ok"
+        headroom = what_headroom_buys(job, chosen)
         if chosen.memory_fraction > plan.warn_memory_fraction:
             warnings.append(
                 f"uses {chosen.memory_fraction:.0%} of the usable memory per device on {name} "
@@ -302,6 +305,7 @@ def make_plan(job: Job, plan: PlanParams, selected: tuple[str, HardwareProfile],
         status=status,
         warnings=warnings,
         advice=advice,
+        headroom=headroom,
         assumptions={
             "mfu": chosen.mfu,
             "mfu_source": hw.mfu_source or "plan.mfu",
@@ -323,6 +327,28 @@ def _price(row: Row, plan: PlanParams) -> float:
 def size(x: float) -> str:
     """Bytes as GiB (MiB below one GiB)."""
     return f"{x / GIB:.2f} GiB" if x >= GIB / 2 else f"{x / 2**20:.1f} MiB"
+
+
+def what_headroom_buys(job: Job, row: Row) -> list[str]:
+    """What the memory a fitting run leaves would hold instead, each with its estimate: float32 master weights
+    (in bf16 most of a small update rounds away), no remat (a faster step), a larger per-device batch."""
+    usable, s = row.usable_bytes, row.setup
+    out = []
+
+    def peak(setup):
+        return estimate_memory(job.arch, setup).peak
+
+    masters = s.replace(param_dtype="float32", compute_dtype="bfloat16")
+    if job.mode == "full" and s.param_dtype == "bfloat16" and peak(masters) <= usable:
+        out.append(f"float32 master weights (model.dtype: float32, sft.compute_dtype: bfloat16): {size(peak(masters))}")
+    if s.remat != "none" and peak(s.replace(remat="none")) <= usable:
+        out.append(f"no remat (sft.remat: none): {size(peak(s.replace(remat='none')))}")
+    batches = [b for b in range(s.per_device_batch + 1, 4 * s.per_device_batch + 1)
+               if peak(s.replace(per_device_batch=b)) <= usable]
+    if batches:
+        b = batches[-1]
+        out.append(f"per-device batch {b} (sft.per_device_batch_size: {b}): {size(peak(s.replace(per_device_batch=b)))}")
+    return out
 
 
 def what_would_fit(job: Job, row: Row, plan: PlanParams) -> list[str]:
@@ -359,13 +385,8 @@ def what_would_fit(job: Job, row: Row, plan: PlanParams) -> list[str]:
             if peak(s.replace(remat=remat)) <= usable:
                 out.append(f"remat (sft.remat: {remat}): {size(peak(s.replace(remat=remat)))}")
                 break
-    if not s.loss_chunk and arch.vocab_size >= 32000:
-        chunked = s.replace(loss_chunk=256)
-        if peak(chunked) <= usable:
-            out.append(f"a chunked loss (sft.loss_chunk_size: 256): {size(peak(chunked))}")
-    both = s.replace(remat="decoder", loss_chunk=s.loss_chunk or 256)
-    if not any(x.startswith(("remat", "a chunked")) for x in out) and peak(both) <= usable:
-        out.append(f"remat and a chunked loss (sft.remat: decoder, sft.loss_chunk_size: 256): {size(peak(both))}")
+    if s.loss_chunk and s.loss_chunk > 32 and arch.vocab_size >= 32000 and peak(s.replace(loss_chunk=32)) <= usable:
+        out.append(f"smaller loss chunks (sft.loss_chunk_size: 32): {size(peak(s.replace(loss_chunk=32)))}")
     bigger = [
         (n, p) for n, p in plan.profiles.items()
         if p.kind == row.hw.kind and p.devices * p.memory_gib > row.hw.devices * row.hw.memory_gib

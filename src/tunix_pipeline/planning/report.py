@@ -85,6 +85,8 @@ def markdown(plan: Plan) -> str:
         lines += ["**Warnings:**", ""] + [f"- {w}" for w in plan.warnings] + [""]
     if plan.advice:
         lines += ["**It would fit with any of:**", ""] + [f"- {a}" for a in plan.advice] + [""]
+    if plan.headroom:
+        lines += ["**The memory it leaves would hold any of (estimates):**", ""] + [f"- {h}" for h in plan.headroom] + [""]
     if plan.xla:
         lines += xla_section(plan.xla) + [""]
     planned = [stage for stage in POLISH if getattr(plan, stage.name)]  # the polish stages on, in the chain's order

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -100,17 +101,27 @@ def trainer_class(base=None):
 
 # ---------------------------------------------------------------- DPO trainer: no SimPO, no precomputed reference …
 @functools.cache
-def preference_trainer_class():
+def preference_trainer_class(reference_logps):
     """Tunix's DPOTrainer (with `trainer_class`'s overrides) that makes each batch one global array before the
-    reference pass, and takes precomputed reference log-probabilities (`REFERENCE_COLUMNS`) from the batch."""
+    reference pass, takes precomputed reference log-probabilities (`REFERENCE_COLUMNS`) from the batch, and
+    otherwise computes them with `reference_logps(model, example) -> (chosen, rejected)` (Tunix's `compute_logps`
+    builds the reference model's whole logits)."""
     from tunix.sft.dpo import dpo_trainer
+
+    reference_pass = nnx.jit(reference_logps)
 
     class PreferenceTrainer(trainer_class(dpo_trainer.DPOTrainer)):
         def _prepare_inputs(self, batch):
             # the reference model's pass and the concatenation of chosen and rejected rows run on the mesh
             batch = shard_rows(batch, self.data_mesh)
             reference = [batch.pop(c, None) for c in REFERENCE_COLUMNS]
-            example = super()._prepare_inputs(batch)
+            with_reference, self._ref_model_exists = self._ref_model_exists, False
+            try:
+                example = super()._prepare_inputs(batch)
+            finally:
+                self._ref_model_exists = with_reference
+            if reference[0] is None and with_reference:
+                reference = reference_pass(self.ref_model, example)
             if reference[0] is not None:
                 example = example.replace(ref_chosen_logps=reference[0], ref_rejected_logps=reference[1])
             return example
@@ -192,6 +203,56 @@ def dapo_config(epsilon_high: float, **common):
     return config
 
 
+# ---------------------------------------------------------------- The output layer runs inside a model's call, at every position
+def decoder_models() -> tuple[type, ...]:
+    """Tunix's model classes whose `__call__` ends `final_norm`, then per-position steps only."""
+    import importlib
+
+    classes = {"gemma": "Gemma", "gemma3": "Gemma3", "llama3": "Llama3", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    return tuple(getattr(importlib.import_module(f"tunix.models.{m}.model"), c) for m, c in classes.items())
+
+
+class KeepsHidden(nnx.Module):
+    """A final norm that keeps its output, the decoder's last hidden states, and passes on none of its positions:
+    the model's own output layer then runs over zero positions."""
+
+    def __init__(self, norm):
+        self.norm = norm
+
+    def __call__(self, x):
+        hidden = self.norm(x)
+        self.hidden = nnx.Intermediate(hidden)
+        return hidden[:, :0]
+
+
+def decoder_and_output_layer(model):
+    """`(decoder, output_layer, head)` of one of `decoder_models()` (ours subclass them), None for other models.
+    `decoder(tokens, positions, attention_mask)` gives the final norm's output at every position;
+    `output_layer(head, hidden)` the float32 logits the model's call computes from it (the tied embedding or
+    `lm_head`, the final soft-cap), with `head` that module's state as an argument, so a loss can run the output
+    layer where and when it chooses and differentiate it itself."""
+    if not isinstance(model, decoder_models()):
+        return None
+    graphdef, state = nnx.split(model)
+    body = nnx.merge(graphdef, state)  # a copy that shares the arrays: the caller's model keeps its norm
+    body.final_norm = KeepsHidden(body.final_norm)
+    config = model.config
+    tied = getattr(config, "weight_tying", getattr(config, "use_tied_embedding", True))
+    cap = getattr(config, "final_logit_softcap", None)
+    head_graph, head = nnx.split(body.embedder if tied else body.lm_head)
+
+    def decoder(tokens, positions, attention_mask):
+        body(tokens, positions, None, attention_mask)
+        return body.final_norm.hidden[...]
+
+    def output_layer(head, hidden):
+        module = nnx.merge(head_graph, head)
+        logits = (module.decode(hidden) if tied else module(hidden)).astype(jnp.float32)
+        return jnp.tanh(logits / cap) * cap if cap is not None else logits
+
+    return decoder, output_layer, head
+
+
 # ---------------------------------------------------------------- GRPO: log-probs run the output layer at every prompt position
 class LastPositions(nnx.Module):
     """A final norm over the last `n` positions only: what follows it in our models is per position."""
@@ -210,12 +271,9 @@ def completion_logits_only():
     same log-probs and gradients, no (batch, prompt, vocabulary) logits. Exact for Tunix's Gemma, Gemma 3, Llama 3
     and Qwen 2/3 (ours subclass them), whose `__call__` ends `final_norm`, then per-position steps only (output
     layer, softcap, cast); other models take Tunix's path."""
-    import importlib
-
     from tunix.rl import common
 
-    classes = {"gemma": "Gemma", "gemma3": "Gemma3", "llama3": "Llama3", "qwen2": "Qwen2", "qwen3": "Qwen3"}
-    models = tuple(getattr(importlib.import_module(f"tunix.models.{m}.model"), c) for m, c in classes.items())
+    models = decoder_models()
     original = common.compute_per_token_logps
 
     def compute_per_token_logps(graphdef, state, prompt_tokens, completion_tokens, *args, **kwargs):
