@@ -178,11 +178,25 @@ def test_a_large_model_on_a_small_gpu_is_a_warning():
 
 
 def test_over_90_percent_of_memory_is_a_warning():
-    # tpu_full's step, estimated (no XLA:TPU compile here): ~14.9 GiB of 16
-    plan = _plan(ModelParams(source="google/gemma-2b", dtype="bfloat16"), "kaggle-tpu-v5e-8", max_length=1024,
-                 per_device_batch_size=4, remat="decoder", loss_chunk_size=256)
+    # Gemma-2B full bf16 without remat at 5 x 512 a chip, estimated (no XLA:TPU compile here): ~95% of 15.2 GiB
+    plan = _plan(ModelParams(source="google/gemma-2b", dtype="bfloat16"), "kaggle-tpu-v5e-8", max_length=512,
+                 per_device_batch_size=5)
     assert plan.selected.fits and plan.selected.memory_fraction > 0.9
     assert plan.status == "risky" and any("headroom" in w for w in plan.warnings)
+
+
+def test_a_fitting_run_lists_what_its_spare_memory_would_hold():
+    # tpu_full's step: with the loss's output layer a chunk at a time, float32 master weights fit beside it
+    plan = _plan(ModelParams(source="google/gemma-2b", dtype="bfloat16"), "kaggle-tpu-v5e-8", max_length=1024,
+                 per_device_batch_size=4, remat="decoder")
+    assert plan.status == "ok" and not plan.advice
+    assert plan.headroom[0].startswith("float32 master weights (model.dtype: float32, sft.compute_dtype: bfloat16)")
+    assert any(h.startswith("per-device batch 8 (sft.per_device_batch_size: 8)") for h in plan.headroom)
+    assert "**The memory it leaves would hold any of (estimates):**" in markdown(plan)
+    assert plan.summary()["headroom"] == plan.headroom
+    masters = _plan(ModelParams(source="google/gemma-2b", dtype="float32"), "kaggle-tpu-v5e-8", max_length=1024,
+                    per_device_batch_size=4, remat="decoder", compute_dtype="bfloat16")
+    assert not any(h.startswith("float32") for h in masters.headroom)
 
 
 def test_a_job_always_has_the_configured_samples():

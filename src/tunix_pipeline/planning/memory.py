@@ -31,8 +31,10 @@ from tunix_pipeline.planning.architecture import Architecture
 
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2}
-# XLA:TPU's float32 (batch, chunk, vocabulary) buffers of the chunked loss's backward: FIT BELOW
-LOSS_CHUNK_COPIES = 3.0
+# what XLA:TPU keeps of one chunk's float32 (batch, chunk, vocabulary) logits at the loss's peak, in copies: it
+# fuses the softmax and its gradient into the matmuls (Gemma-2B, one layer, batch 1-4 x 512-1024 a chip:
+# benchmarks/RESULTS.md, section 14)
+LOSS_CHUNK_COPIES = 0.5
 # bytes per weight of a frozen nf4 base: 4 bits and a float32 scale per block of 64
 NF4_BYTES = 0.5 + 4 / 64
 
@@ -231,7 +233,7 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
         loss = head + f32 + max(gradient_head + logits, 2 * logits) + shard
     else:
         # `loss.target_logps`: the output layer a chunk of positions at a time, recomputed in the backward
-        # pass; one chunk's float32 logits, their softmax and gradient at a time, never the whole logits
+        # pass; the gathered head, its gradient (and that gradient's shard) and part of one chunk's logits
         chunk = s.per_device_batch * min(s.loss_chunk, length) * arch.vocab_size * 4
         loss = head + gradient_head + LOSS_CHUNK_COPIES * chunk + gradient_head / (s.fsdp * tp)
     return activations, loss, one_layer

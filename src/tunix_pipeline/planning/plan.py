@@ -343,7 +343,7 @@ def what_headroom_buys(job: Job, row: Row) -> list[str]:
         out.append(f"float32 master weights (model.dtype: float32, sft.compute_dtype: bfloat16): {size(peak(masters))}")
     if s.remat != "none" and peak(s.replace(remat="none")) <= usable:
         out.append(f"no remat (sft.remat: none): {size(peak(s.replace(remat='none')))}")
-    batches = [b for b in range(s.per_device_batch + 1, 4 * s.per_device_batch + 1)
+    batches = [b for b in range(s.per_device_batch + 1, 2 * s.per_device_batch + 1)
                if peak(s.replace(per_device_batch=b)) <= usable]
     if batches:
         b = batches[-1]
