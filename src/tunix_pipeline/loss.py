@@ -74,10 +74,12 @@ def chunked_logps(output_layer, head, hidden, targets, mask, used):
     """Per row, the summed target log-probabilities of the first `used` chunks of `hidden` ([chunks, rows, chunk,
     width]; the rest hold no target), with `output_layer(head, hidden)` the logits.
 
-    A loop over the chunks forwards and backwards, written out (custom VJP): the backward pass recomputes a
-    chunk's logits, and the loop's bound is a value, so chunks without targets cost nothing (differentiated
-    through a `cond` instead, XLA:TPU keeps a head-sized gradient per branch: +3 GB for Gemma-2B at 1 x 1024).
-    The head's gradient is computed only when the head is trained (not under LoRA)."""
+    A loop over the chunks forwards and backwards, written out (custom VJP), and the loop's bound is a value, so
+    chunks without targets cost nothing (differentiated through a `cond` instead, XLA:TPU keeps a head-sized
+    gradient per branch: +3 GB for Gemma-2B at 1 x 1024). A frozen head (LoRA): the forward pass also computes each
+    row's gradient w.r.t. its hidden states from the logits it has (a row's gradient is its own cotangent times
+    it), so no logits are computed twice. A trained head: the backward pass recomputes a chunk's logits and adds up
+    the head's gradient, which needs the rows' cotangents."""
     rows = hidden.shape[1]
 
     def chunk_logps(k, head, hidden_k):
@@ -94,24 +96,31 @@ def chunked_logps(output_layer, head, hidden, targets, mask, used):
     def forward(head, hidden):
         trained.append(any(leaf.perturbed for leaf in jax.tree.leaves(head)))
         head, hidden = jax.custom_derivatives.custom_vjp_primal_tree_values((head, hidden))
-        return logps(head, hidden), (head, hidden)
+        if trained[-1]:
+            return logps(head, hidden), (head, hidden, None)
+
+        def step(k, carry):
+            total, d_hidden = carry
+            values, row_gradients = jax.vjp(lambda x: chunk_logps(k, head, x), hidden[k])
+            (g_hidden,) = row_gradients(jnp.ones((rows,), jnp.float32))
+            return total + values, d_hidden.at[k].set(g_hidden.astype(d_hidden.dtype))
+
+        total, d_hidden = jax.lax.fori_loop(0, used, step, (jnp.zeros((rows,), jnp.float32), jnp.zeros_like(hidden)))
+        return total, (head, hidden, d_hidden)
 
     def backward(residuals, row_cotangent):
-        head, hidden = residuals
+        head, hidden, d_hidden = residuals
+        if d_hidden is not None:
+            return None, (d_hidden * row_cotangent[None, :, None, None].astype(d_hidden.dtype))
 
         def step(k, grads):
             d_head, d_hidden = grads
             weighted = lambda h, x: jnp.sum(chunk_logps(k, h, x) * row_cotangent)  # noqa: E731
-            if trained[-1]:
-                g_head, g_hidden = jax.grad(weighted, argnums=(0, 1))(head, hidden[k])
-                d_head = jax.tree.map(jnp.add, d_head, g_head)
-            else:
-                g_hidden = jax.grad(weighted, argnums=1)(head, hidden[k])
-            return d_head, d_hidden.at[k].set(g_hidden.astype(d_hidden.dtype))
+            g_head, g_hidden = jax.grad(weighted, argnums=(0, 1))(head, hidden[k])
+            return jax.tree.map(jnp.add, d_head, g_head), d_hidden.at[k].set(g_hidden.astype(d_hidden.dtype))
 
-        zero_head = jax.tree.map(jnp.zeros_like, head) if trained[-1] else None
-        d_head, d_hidden = jax.lax.fori_loop(0, used, step, (zero_head, jnp.zeros_like(hidden)))
-        return d_head, d_hidden
+        zero = (jax.tree.map(jnp.zeros_like, head), jnp.zeros_like(hidden))
+        return jax.lax.fori_loop(0, used, step, zero)
 
     logps.defvjp(forward, backward, symbolic_zeros=True)
     return logps(head, hidden)
