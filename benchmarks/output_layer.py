@@ -190,10 +190,10 @@ def worker_trl(model_dir: str, batch_size: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
         config = trl.SFTConfig(output_dir=out, per_device_train_batch_size=batch_size, max_steps=steps,
                                learning_rate=LEARNING_RATE, lr_scheduler_type="constant", warmup_steps=0,
-                               max_grad_norm=None, weight_decay=0.0, completion_only_loss=True, packing=False,
+                               max_grad_norm=0.0, weight_decay=0.0, completion_only_loss=True, packing=False,
                                max_length=None, report_to=[], save_strategy="no", logging_steps=1, use_cpu=True,
                                dataloader_num_workers=0, seed=0)
-        trainer = trl.SFTTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_list(rows),
+        trainer = trl.SFTTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_list(rows), callbacks=[Ends()],
                                  peft_config=peft.LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"],
                                                              target_modules=PEFT_TARGETS, task_type="CAUSAL_LM"))
         # the rows in the order the other contenders take them
