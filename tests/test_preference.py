@@ -376,7 +376,7 @@ def test_plan_holds_a_reference_only_for_dpo_without_precomputed_log_probs():
     lora = stage(full.model_copy(update={"lora": LoraParams(rank=16)}))
     assert 0 < lora.preference["selected"]["reference_gib"] < 0.05  # the SFT adapters; the base is shared
     # too many pairs per chip: a warning that names the fix, the run marked risky
-    big = stage(full, per_device_batch_size=16)
+    big = stage(full, per_device_batch_size=48)
     assert not big.preference["selected"]["fits"] and big.status in ("risky", "over")
     assert any("the dpo stage needs" in w and "precompute_reference" in w for w in big.warnings)
 
