@@ -208,10 +208,10 @@ def test_qwen05b_v5e8_against_seed_001(plans, params):
     # seed 001: ~1.7 GB per core, "well within 16 GB"; it counts the bf16 weights (1 GB) and the layer
     # inputs (~0.7 GB). The plan's weights (sharded 8 ways, fp32 masters, bf16 copy) and kept activations
     # (the bf16 layer inputs and each layer's gathered weights, which XLA keeps for the backward) come
-    # to about as much; it adds the AdamW state and the float32 logits of a 151,936-word vocabulary
-    assert summary["memory_fraction"] < 0.55  # XLA:TPU compiles the step to ~7.5 GiB per 16 GiB chip
+    # to about as much; it adds the AdamW state and the output layer, a chunk of 151,936-word logits at a time
+    assert summary["memory_fraction"] < 0.3  # XLA:TPU: ~3.8 GiB per 16 GiB chip (7.5 with the whole logits)
     assert 0.7 < (m["params_gib"] + m["activations_gib"]) * GIB / (1.7 * GB) < 1.2
-    assert m["logits_gib"] > 3 and summary["memory_per_device_gib"] > 1.7 * GB / GIB
+    assert m["logits_gib"] < 1 and summary["memory_per_device_gib"] > 1.7 * GB / GIB
     # seed 001: ~30 min for 3 epochs, $0.60 preemptible, $2.40 on demand, ~0.1 s a batch of 32
     assert 0.4 < summary["hours"] < 0.75
     assert abs(summary["cost"] / 2.40 - 1) < 0.25 and abs(summary["preemptible_cost"] / 0.60 - 1) < 0.25
@@ -256,12 +256,13 @@ def test_gpu24_lora_against_seed_002(plans, params):
     # a 1.5B model on a 24 GB card: seed 004's guardrail warns, and only it
     assert summary["status"] == "risky" and len(summary["warnings"]) == 1
     assert "large model on a small GPU" in summary["warnings"][0]
-    # seed 002: LoRA needs ~4 GB per billion parameters (~6 GB); the plan agrees with gradient
-    # checkpointing on, and without it (the recipe: faster) adds the activations of 4 x 512 tokens
+    # seed 002: LoRA needs ~4 GB per billion parameters (~6 GB); with gradient checkpointing on the plan says
+    # ~2.6 (the loss's logits a chunk at a time, not whole: that rule counts them), and without it (the recipe:
+    # faster) adds the activations of 4 x 512 tokens
     plan = _plan(params, "gpu24_lora")
     remat = estimate_memory(plan.job.arch, plan.selected.setup.replace(remat="decoder")).peak
     rule = 4 * plan.job.arch.params / 1e9 * GB
-    assert abs(remat / rule - 1) < 0.25
+    assert 0.5 < remat / rule < 0.8
     assert summary["memory"]["activations_gib"] * GIB > 0.5 * rule
 
 
