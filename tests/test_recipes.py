@@ -257,8 +257,8 @@ def test_gpu24_lora_against_seed_002(plans, params):
     assert summary["status"] == "risky" and len(summary["warnings"]) == 1
     assert "large model on a small GPU" in summary["warnings"][0]
     # seed 002: LoRA needs ~4 GB per billion parameters (~6 GB); with gradient checkpointing on the plan says
-    # ~2.6 (the loss's logits a chunk at a time, not whole: that rule counts them), and without it (the recipe:
-    # faster) adds the activations of 4 x 512 tokens
+    # ~2.6 since the loss holds one chunk of logits, not all of them; without it (the recipe: faster) it adds the
+    # activations of 4 x 512 tokens
     plan = _plan(params, "gpu24_lora")
     remat = estimate_memory(plan.job.arch, plan.selected.setup.replace(remat="decoder")).peak
     rule = 4 * plan.job.arch.params / 1e9 * GB
