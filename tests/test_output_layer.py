@@ -15,7 +15,7 @@ from tunix_pipeline.config import LoraParams
 from tunix_pipeline.loss import model_inputs, token_nll
 from tunix_pipeline.models.lora import apply_lora
 
-from .test_logps import CONFIGS, VOCAB, tiny_model
+from .test_logps import CONFIGS, VOCAB, assert_gradients_close, tiny_model
 
 ROWS, LENGTH = 3, 12
 
@@ -43,15 +43,6 @@ def whole_logits_nll(model, input_tokens, loss_mask, positions, attention_mask):
 def whole_logits_made(fn, *args) -> bool:
     return f"[{ROWS},{LENGTH},{VOCAB}]" in str(jax.make_jaxpr(fn)(*args)) or \
         f"[{ROWS},{LENGTH - 1},{VOCAB}]" in str(jax.make_jaxpr(fn)(*args))
-
-
-def assert_gradients_close(grad, expected):
-    flat, flat_expected = nnx.to_flat_state(grad), dict(nnx.to_flat_state(expected))
-    assert len(flat) == len(flat_expected)
-    for path, value in flat:
-        scale = float(np.abs(np.asarray(flat_expected[path][...])).max()) or 1.0
-        np.testing.assert_allclose(np.asarray(value[...]), np.asarray(flat_expected[path][...]),
-                                   atol=1e-5 * scale, rtol=0, err_msg=".".join(map(str, path)))
 
 
 def model_for(name: str, lora: bool):
