@@ -127,11 +127,7 @@ def start_from(model, parent_dir: str | Path, checkpoint_dir: str | Path) -> dic
         lineage["parent_best_step"] = best
     if latest_step(storage_path(checkpoint_dir)) is not None:
         return {**lineage, "parent_step": best or (latest_step(parent) if parent.is_dir() else None)}
-    if not parent.is_dir() or latest_step(parent) is None:
-        raise CheckpointError(
-            f"sft.init_from: no checkpoint in {parent}; point it at a previous run's sft.checkpoint_dir "
-            "(on Kaggle: the attached dataset holding the last session's output)"
-        )
+    check_start(parent_dir, checkpoint_dir)
     try:
         step = restore_latest(model, parent, best)
     except Exception as err:  # Orbax names the tree mismatch only deep inside its message
@@ -143,6 +139,19 @@ def start_from(model, parent_dir: str | Path, checkpoint_dir: str | Path) -> dic
         ) from err
     log.info("starting from %s step %d (a new run: fresh optimizer, step 0)", parent, step)
     return {**lineage, "parent_step": step}
+
+
+def check_start(parent_dir: str | Path, checkpoint_dir: str | Path) -> None:
+    """Refuses an `sft.init_from` that holds no checkpoint, unless this run has checkpoints of its own (it resumes
+    those and never reads the parent). Also run before the pipeline starts (`preflight`)."""
+    if latest_step(storage_path(checkpoint_dir)) is not None:
+        return
+    parent = storage_path(parent_dir, "sft.init_from")
+    if not parent.is_dir() or latest_step(parent) is None:
+        raise CheckpointError(
+            f"sft.init_from: no checkpoint in {parent}; point it at a previous run's sft.checkpoint_dir "
+            "(on Kaggle: the attached dataset holding the last session's output)"
+        )
 
 
 def best_step(curve: list[dict]) -> int | None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 from tunix_pipeline.config import HarnessParams
+from tunix_pipeline.config.validation import closest
 from tunix_pipeline.errors import HarnessError
 from tunix_pipeline.evaluation import markdown_table
 from tunix_pipeline.formatting import answer_rows
@@ -49,13 +50,21 @@ def _lm_eval():
 
 
 def check(params: HarnessParams) -> None:
-    """Fails before any model loads: lm-eval missing, a task file missing, or several JAX processes."""
+    """Fails before any model loads (and before the run starts: `preflight`): lm-eval missing, a task it does not
+    know, a task file missing, or several JAX processes."""
     import jax
 
     _lm_eval()
     for task in params.tasks:
         if task.endswith((".yaml", ".yml")) and not Path(task).is_file():
             raise HarnessError(f"evaluate.harness.tasks: no task file {task}; give an lm-eval task name or a YAML path")
+    named = [t for t in params.tasks if t != TAGGED_TASK and not t.endswith((".yaml", ".yml"))]
+    if named:  # lm-eval's own lookup fails late, with a KeyError
+        known = _task_manager((), builtin=True).task_index
+        for task in named:
+            if task not in known:
+                raise HarnessError(f"evaluate.harness.tasks: {task!r} is not one of lm-eval's tasks, groups or tags"
+                                   f"{closest(task, known)}")
     for task, files in params.data_files.items():
         for split, path in files.items():
             if not Path(path).is_file():

@@ -1,5 +1,5 @@
-"""Project hooks, one class per concern: credentials, whole outputs, JAX devices and the mesh, the MLflow run, the
-session ledger.
+"""Project hooks, one class per concern: credentials, whole outputs, JAX devices and the mesh, the stages' settings
+checked before the first node (`preflight`), the MLflow run, the session ledger.
 
 Each reads its own sections of the parameters in `after_context_created`. Where two must run in an order
 (the ledger refuses a finished plan before anything starts, and records the MLflow run before it ends),
@@ -103,6 +103,24 @@ class RuntimeHooks:
         # multi-host: a checkpoint folder that is not shared stops the run in seconds, not in Orbax after minutes
         check_shared_folders(orbax_folders(self._params, (node.name for node in pipeline.nodes)),
                              self._runtime.shared_folder_timeout_s)
+
+
+class PreflightHooks:
+    """The settings of every stage the run will reach (rewards, judges, lm-eval tasks, the checkpoints it starts
+    from, lengths) checked before the first node: a misspelt one stops the run in seconds, not after SFT."""
+
+    def __init__(self):
+        self._params: dict = {}
+
+    @hook_impl
+    def after_context_created(self, context) -> None:
+        self._params = context_params(context)
+
+    @hook_impl
+    def before_pipeline_run(self, pipeline) -> None:
+        from tunix_pipeline.preflight import check_reached_stages
+
+        check_reached_stages(self._params, (node.name for node in pipeline.nodes))
 
 
 def session_tags(sessions: SessionsParams) -> dict:

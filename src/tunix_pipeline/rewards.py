@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from tunix_pipeline.config import RewardParams
+from tunix_pipeline.config.validation import closest
 from tunix_pipeline.errors import UserError
 from tunix_pipeline.judge import Judge
 from tunix_pipeline.answers import TAGS, answer_score, clean, extract_answer, well_formed
@@ -82,7 +83,8 @@ def resolve(spec: str) -> Callable[..., list[float]]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise RewardError(
-            f"reward {spec!r} is neither a built-in ({', '.join(BUILTIN)}, judge) nor a dotted path `package.module:function`"
+            f"reward {spec!r} is neither a built-in ({', '.join(BUILTIN)}, judge) nor a dotted path "
+            f"`package.module:function`{closest(spec, [*BUILTIN, 'judge'])}"
         )
     try:
         module = importlib.import_module(module_name)

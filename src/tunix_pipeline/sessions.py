@@ -176,6 +176,17 @@ def _parent(plan: list[Session], index: int, ledger: Ledger) -> dict | None:
     }
 
 
+def check_previous_root(output_root: str, previous_root: str | None) -> None:
+    """A `sessions.previous_root` without a ledger would start the plan over from its first session, silently;
+    it is read only while this output root has no ledger of its own."""
+    if not previous_root or (Ledger(output_root).root / LEDGER).is_file():
+        return
+    previous = storage_path(previous_root, "sessions.previous_root")
+    if not (previous / LEDGER).is_file():
+        raise UserError(f"sessions.previous_root: no {LEDGER} in {previous}; point it at the runtime.output_root of "
+                        "the earlier sessions (on Kaggle: the attached dataset holding it), or set it to null")
+
+
 def brief(sessions: SessionsParams, ledger: Ledger, sft: dict) -> str:
     """One paragraph for the log: which session, from what, how long, against the week."""
     current = sessions.current

@@ -4,12 +4,14 @@ from tunix_pipeline import quiet
 
 quiet.install()  # before the imports below and before Kedro builds its config loader: they warn
 
-from tunix_pipeline.hooks import CredentialHooks, OutputHooks, RuntimeHooks, SessionHooks, TrackingHooks  # noqa: E402
+from tunix_pipeline.hooks import (  # noqa: E402
+    CredentialHooks, OutputHooks, PreflightHooks, RuntimeHooks, SessionHooks, TrackingHooks,
+)
 from tunix_pipeline.config_loader import ProjectConfigLoader  # noqa: E402
 
 _tracking = TrackingHooks()
 # one per concern; the order between them is set by tryfirst / trylast in hooks.py, not by this tuple
-HOOKS = (CredentialHooks(), OutputHooks(), RuntimeHooks(), _tracking, SessionHooks(_tracking))
+HOOKS = (CredentialHooks(), OutputHooks(), RuntimeHooks(), PreflightHooks(), _tracking, SessionHooks(_tracking))
 
 # OmegaConfigLoader: an unknown --env named, conf/local over any environment, the session's parameters
 CONFIG_LOADER_CLASS = ProjectConfigLoader
