@@ -106,6 +106,9 @@ class PlanParams(Strict):
     warn_memory_fraction: float = Field(0.9, gt=0, le=1)
     # under this share of real tokens in a row (the tokenize report), without packing, the plan says what packing saves
     warn_padding_efficiency: float = Field(0.6, gt=0, le=1)
+    # under this share of the trained elements a step at the peak learning rate can change in their dtype (bf16
+    # rounds most of a small update away), the plan warns with the fix (`planning.precision`)
+    warn_update_share: float = Field(0.5, gt=0, le=1)
     large_model_params: float = Field(1.0e9, gt=0, description="seed 004: warn for models this big on small GPUs")
     small_gpu_gib: float = Field(24.0, gt=0)
     train_rows: int | None = Field(None, gt=0, description="to report epochs when the data is not at hand")

@@ -60,6 +60,19 @@ def peak_flops_per_device(plan: PlanParams, runtime: RuntimeParams) -> float | N
     return hw.peak_tflops * 1e12 if name in plan.profiles else None
 
 
+def precision_of(job: Job, model: ModelParams, sft: SftParams, plan: PlanParams, folder=None) -> dict:
+    """The share of the trained weights a step can change in their dtype (`planning.precision`), from the base
+    model's own weights where a folder of them is at hand."""
+    from tunix_pipeline.planning import precision
+
+    magnitudes = None if job.mode != "full" else precision.weights_at_hand(folder, model.source, model.local_dir)
+    return precision.update_precision(
+        job.param_dtype, job.compute_dtype, job.optimizer, sft.learning_rate, sft.warmup_steps, sft.schedule,
+        job.max_steps, lora=job.mode != "full", hidden_size=job.arch.hidden_size, magnitudes=magnitudes,
+        warn_below=plan.warn_update_share,
+    )
+
+
 def build_plan(
     model: ModelParams,
     sft: SftParams,
@@ -83,4 +96,5 @@ def build_plan(
     job = make_job(arch, model, sft, runtime, seq_len, hardware[1].devices, train_rows)
     job = dataclasses.replace(job, pack=tokenize.pack, padding=padding, padding_note=note,
                               train_examples=plan.train_examples)
+    job = dataclasses.replace(job, precision=precision_of(job, model, sft, plan, folder))
     return make_plan(job, plan, hardware, compiled)

@@ -37,6 +37,7 @@ class Job:
     train_examples: int | None = None  # plan.train_examples: the examples packed into train_rows
     padding: Padding | None = None  # the training rows' padding (the tokenize report), when known
     padding_note: str | None = None  # why it is not known
+    precision: dict | None = None  # the share of the trained weights a step can change (planning.precision)
 
     @property
     def samples(self) -> int:

@@ -115,6 +115,7 @@ class Plan:
             "warnings": list(self.warnings),
             "advice": list(self.advice),
             "headroom": list(self.headroom),
+            "update_precision": self.job.precision,
             "assumptions": self.assumptions,
             "profiles": {
                 r.profile: {
@@ -297,6 +298,8 @@ def make_plan(job: Job, plan: PlanParams, selected: tuple[str, HardwareProfile],
     useful = goodput_summary(job, chosen, plan.warn_padding_efficiency, lambda n: hours_for_steps(job, chosen, plan, n))
     if "warning" in useful:
         warnings.append(useful["warning"])  # after the status: padding costs time, not memory
+    if job.precision and "warning" in job.precision:
+        warnings.append(job.precision["warning"])  # after the status too: it costs no memory
     return Plan(
         job=job,
         rows=rows,

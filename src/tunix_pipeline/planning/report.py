@@ -65,6 +65,21 @@ def _header(plan: Plan) -> list[str]:
     return lines
 
 
+def precision_lines(p: dict | None) -> list[str]:
+    """What share of the trained weights a step can change in their dtype (planning.precision)."""
+    if not p:
+        return []
+    r, s = p["learning_rates"], p["share_changed"]
+    dtype = p["param_dtype"] + (f", compute {p['compute_dtype']}" if p["compute_dtype"] else "")
+    return [
+        f"**Updates that land:** {p['trained']} kept in {dtype}, {p['optimizer']}: a step changes at most "
+        f"**{s['peak']:.1%}** of them at the peak learning rate {r['peak']:.3g}, {s['end']:.1%} at the schedule's "
+        f"end ({r['end']:.3g}), {s['smallest']:.1%} at its smallest nonzero rate ({r['smallest']:.3g}); an element "
+        f"changes when the step reaches half its dtype's spacing at |w|. {p['step_model']}; {p['magnitudes']}.",
+        "",
+    ]
+
+
 def _recommended(plan: Plan) -> str:
     if plan.recommended:
         r = plan.recommended
@@ -81,6 +96,7 @@ def _recommended(plan: Plan) -> str:
 def markdown(plan: Plan) -> str:
     s = plan.selected
     lines = _header(plan) + goodput_lines(plan.goodput, s.profile, plan.job.padding) + ["", _recommended(plan), ""]
+    lines += precision_lines(plan.job.precision)
     if plan.warnings:
         lines += ["**Warnings:**", ""] + [f"- {w}" for w in plan.warnings] + [""]
     if plan.advice:

@@ -82,8 +82,13 @@ def check_sft_fits(
     result = with_xla_check(result, model, plan, tpu_only=True)
     if result.status == "over":
         raise DoesNotFit(refusal(result))
-    for warning in result.warnings:
+    for warning in result.warnings:  # the precision warning among them: updates that round away
         log.warning("plan: %s", warning)
+    shares = (result.job.precision or {}).get("share_changed")
+    if shares:
+        log.info("plan: a step can change %.1f%% of the trained weights in %s at the peak learning rate, %.1f%% at "
+                 "the schedule's end (%s)", 100 * shares["peak"], result.job.precision["param_dtype"],
+                 100 * shares["end"], result.job.precision["magnitudes"])
     useful = result.goodput["useful_tokens_per_sec"]
     log.info("plan: %s on %s: %.2f GiB of %.2f GiB per device, about %.1f h, %s tokens/s%s",
              result.status, result.selected.profile, result.selected.peak / 2**30,
