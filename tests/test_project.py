@@ -40,14 +40,14 @@ def test_every_environment_validates(project, env):
     if env == "tpu_full":
         assert params["model"].source == "google/gemma-2b" and params["model"].dtype == "bfloat16"
         assert params["tokenize"].max_length == 1024 and params["sft"].per_device_batch_size == 4
-        assert (params["sft"].checkpoint_every, params["sft"].keep_checkpoints) == (40, 3)
+        assert (params["sft"].checkpoint_every, params["sft"].keep_checkpoints) == (40, 2)  # 15 GB each: docs/plan.md, Disk
         assert params["sft"].optimizer == "adamw" and params["sft"].warmup_steps > 0
         assert params["runtime"].mesh == "auto"
         # only what differs is in the environment: base keys survive the merge
-        assert params["sft"].keep_checkpoints == 3 and params["evaluate"].temperature == 0
+        assert params["evaluate"].temperature == 0
         # seed 000's week as a session plan: the first session, its own checkpoints and 9 h budget
         assert params["sessions"]["current"]["name"] == "sft_gsm8k" and params["sft"].time_budget_hours == 9
-        assert params["sft"].checkpoint_dir == "data/06_models/sft_checkpoints/sft_gsm8k"
+        assert params["sft"].checkpoint_dir == "/kaggle/temp/tunix/sft_checkpoints/sft_gsm8k"  # scratch: not saved
 
 
 def test_a_wrong_key_fails_before_any_node_runs(project):

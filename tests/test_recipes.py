@@ -34,7 +34,7 @@ TPU_RECIPES = {"tpu_full": "v5e:2x4", "qwen05b_v5e8": "v5e:2x4", "v4_64_pod": "v
 SUBPROCESS = {"v4_64_pod"}
 KEDRO = str(Path(sys.executable).parent / "kedro")
 GB = 1e9
-TPU_FULL_RESTATES = {"sft.optimizer", "sft.schedule", "sft.keep_checkpoints", "grpo.batch_size", "grpo.num_generations"}
+TPU_FULL_RESTATES = {"sft.optimizer", "sft.schedule", "grpo.batch_size", "grpo.num_generations"}
 
 
 def _session(path, env, **runtime_params):
@@ -356,6 +356,39 @@ def test_the_judge_recipe_is_the_gemma3_recipe_with_a_gemma3_4b_judge_on_half_th
     assert "judge `judge`: google/gemma-3-4b-it" in report and "the policy runs on the other 4 devices" in report
     print(f"judge recipe: judge {j['sub_mesh_gib']:.2f} GiB per chip, {j['seconds']:.1f} s a step; GRPO "
           f"{g['step_seconds']:.1f} s a step, {g['samples_per_hour']:.0f} completions/h, {g['hours']:.2f} h")
+
+
+# ---------------------------------------------------------------- disk
+@pytest.mark.parametrize("env", ["tpu_full", *KAGGLE, "kaggle_gemma3_1b_judge_v5e8"])
+def test_every_session_of_the_kaggle_recipes_fits_the_saved_output(params, env):
+    """Each session's outputs under /kaggle/working within the 20 GB a notebook saves, the session disk's peak
+    within its 73 GB (planning/disk.py, the figures of each recipe's comment and docs/plan.md's Disk section)."""
+    from tunix_pipeline.pipelines.plan.nodes import disk_sessions
+    from tunix_pipeline.planning.disk import GB as DISK_GB
+    from tunix_pipeline.planning.disk import plan_disk
+
+    p = params[env]
+    plan = _plan(params, env)
+    hw = plan.selected.hw
+    disk = plan_disk(plan.job.arch, plan.selected.setup, hw,
+                     disk_sessions(p["model"], p["sft"], p["preference"], p["grpo"], p["sessions"], plan.job.max_steps),
+                     p["export"], p["tracking"], p["runtime"].output_root)  # /kaggle/working on Kaggle
+    assert (hw.saved_output_gb, hw.disk_gb) == (20, 73) and disk["volumes"]["fresh_root_each_session"]
+    assert disk["status"] == "ok", disk["messages"]
+    sessions = {s["name"]: s for s in disk["sessions"]}
+    assert list(sessions) == [s["name"] for s in p["sessions"]["plan"]]
+    saved = max(s["totals"]["saved"] for s in disk["sessions"]) / DISK_GB
+    peak = max(s["totals"]["disk_peak"] for s in disk["sessions"]) / DISK_GB
+    if env == "tpu_full":  # full bf16 checkpoints of 15 GB on scratch; the 5 GB final weights and export saved
+        outputs = {o["what"]: o for o in sessions["sft_gsm8k"]["outputs"]}
+        assert outputs["sft checkpoints"]["where"] == "scratch" and outputs["sft checkpoints"]["count"] == 2
+        assert outputs["sft checkpoints"]["gb_each"] == pytest.approx(15.04, abs=0.01)
+        assert outputs["sft final weights (for the next session)"]["gb"] == pytest.approx(5.01, abs=0.01)
+        assert saved == pytest.approx(10.0, abs=0.1) and peak == pytest.approx(60.2, abs=0.1)
+    elif env == "kaggle_gemma2_2b_v5e8":
+        assert saved == pytest.approx(11.3, abs=0.1) and peak == pytest.approx(16.7, abs=0.1)
+    else:
+        assert saved == pytest.approx(4.5, abs=0.1) and peak == pytest.approx(6.7, abs=0.1)
 
 
 # ---------------------------------------------------------------- knobs the recipes needed

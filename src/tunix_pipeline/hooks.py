@@ -347,5 +347,8 @@ class SessionHooks:
             for name, result in polish.items():  # the policies the session trained, for the next one to start from
                 if result.get("enabled"):
                     entry.update({f"{name}_checkpoint_dir": result["checkpoint_dir"], f"{name}_step": result["latest_step"]})
+            from tunix_pipeline.final_weights import keep_for_next_session  # checkpoints on scratch: weights saved
+
+            entry = keep_for_next_session(entry, self._output_root(), current.name)
             ledger.record_finished(current.index, current.name, entry)
             log.info("session '%s' finished; the next `kedro run` starts the next session of the plan", current.name)

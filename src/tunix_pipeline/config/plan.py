@@ -58,6 +58,12 @@ class HardwareProfile(Strict):
             raise ValueError(f"topology {self.topology} has {chips * per_chip} JAX devices, the profile says devices: {self.devices}")
         return self
     setup_minutes: float | None = Field(None, ge=0, description="overrides plan.session_setup_minutes")
+    # the volumes a run's outputs go on (planning/disk.py): the machine's disk for one session, and what of the
+    # output root outlives it (Kaggle saves 20 GB of /kaggle/working; the next session starts from that); null:
+    # not known / no limit (a Cloud TPU VM keeps its disk; a gs:// output root has no limit)
+    disk_gb: float | None = Field(None, gt=0, description="the session's disk (GB)")
+    saved_output_gb: float | None = Field(None, gt=0, description="what of the output root a session saves (GB)")
+    disk_source: str = ""  # where the volume figures come from
     note: str = ""
     # another estimate of SFT on this machine (a seed's), printed beside the plan's examples per session; it sizes nothing
     quoted_estimate: str = ""

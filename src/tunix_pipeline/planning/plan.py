@@ -12,6 +12,7 @@ import math
 
 from tunix_pipeline.config import HardwareProfile, PlanParams
 from tunix_pipeline.planning.architecture import PlanError
+from tunix_pipeline.planning.disk import disk_summary
 from tunix_pipeline.planning.goodput import summary as goodput_summary
 from tunix_pipeline.planning.job import Job, setup_on
 from tunix_pipeline.planning.memory import GIB, MemoryEstimate, TrainSetup, checkpoint_bytes, estimate_memory
@@ -76,6 +77,7 @@ class Plan:
     preference: dict | None = None  # the preference stage, when it is on (planning.preference)
     grpo: dict | None = None  # GRPO's generation and update, when it is on (planning.grpo)
     goodput: dict = dataclasses.field(default_factory=dict)  # useful tokens, examples, epochs (planning.goodput)
+    disk: dict | None = None  # bytes of every output against the profile's volumes (planning.disk; add_disk)
 
     def summary(self) -> dict:
         s = self.selected
@@ -139,6 +141,8 @@ class Plan:
             out["grpo"] = self.grpo
         if self.preference or self.grpo:
             out["stages"] = self.stages()
+        if self.disk:
+            out["disk"] = disk_summary(self.disk)
         return out
 
     def stages(self) -> dict:

@@ -35,6 +35,7 @@ def _header(plan: Plan) -> list[str]:
     j, s = plan.job, plan.selected
     m = s.memory
     status = {"ok": "fits", "risky": "fits, with warnings", "over": "**does not fit**"}[plan.status]
+    status = disk_status(plan, status)
     lines = [
         "# Plan",
         "",
@@ -110,6 +111,8 @@ def markdown(plan: Plan) -> str:
         lines += _polish_section(stage.name, plan) + [""]
     if planned:
         lines += stages_line(plan) + [""]
+    if plan.disk:
+        lines += disk_section(plan.disk) + [""]
     lines += [
         "## Every hardware profile",
         "",
@@ -191,6 +194,37 @@ def stages_line(plan: Plan) -> list[str]:
     total = "unknown (a profile without a bandwidth)" if st["total_hours"] is None else (
         f"{_hours(st['total_hours'])}, {_money(st['total_cost'])}")
     return [f"**Every stage on {plan.selected.profile}:** {parts}; in all {total}."]
+
+
+def disk_status(plan: Plan, status: str) -> str:
+    """The header's verdict when the memory fits and the disk does not (the "Disk" section says why)."""
+    if plan.status == "over" and plan.selected.fits and (plan.disk or {}).get("status") == "over":
+        return "**does not fit its disk** (see Disk below); the memory fits"
+    return status
+
+
+def disk_section(disk: dict) -> list[str]:
+    """Every output's bytes on disk (planning.disk), per session, against the profile's volumes."""
+    v = disk["volumes"]
+    limits = [f"the session's disk {v['disk_gb']:g} GB" if v["disk_gb"] else "the disk: not known",
+              f"saved output {v['saved_output_gb']:g} GB" if v["saved_output_gb"] else "no saved-output limit"]
+    verdict = {"ok": "fits", "warning": "fits the disk, **not the saved output**", "over": "**does not fit the disk**"}
+    lines = ["## Disk", "",
+             f"Output root `{v['output_root']}`; {', '.join(limits)}" + (f" ({v['source']})" if v["source"] else "")
+             + (". Each session starts on an empty output root: the largest session counts." if v["fresh_root_each_session"]
+                else ". The sessions' outputs add up on the same disk.") + f" Verdict: {verdict[disk['status']]}.", "",
+             "| session | output | where | kept | each | weights | optimizer | GB |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for s in disk["sessions"]:
+        for o in s["outputs"]:
+            p = o["parts_gb"]
+            lines.append(f"| {s['name']} | {o['what']} | {o['where']}: `{o['path']}` | {o['count']} | {o['gb_each']:.3f} | "
+                         f"{p['weights']:.3f} | {p['optimizer']:.3f} | {o['gb']:.3f} |" if "optimizer" in p else
+                         f"| {s['name']} | {o['what']} | {o['where']}: `{o['path']}` | {o['count']} | {o['gb_each']:.3f} | "
+                         f"| | {o['gb']:.3f} |")
+        lines.append(f"| {s['name']} | **saved output** / **session disk (peak)** | | | | | | "
+                     f"**{s['saved_gb']:.2f}** / **{s['disk_peak_gb']:.2f}** |")
+    return lines
 
 
 def refusal(plan: Plan) -> str:

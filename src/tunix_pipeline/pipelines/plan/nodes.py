@@ -3,9 +3,11 @@ import logging
 import pandas as pd
 
 from tunix_pipeline.config import (
-    GrpoParams, ModelParams, PlanParams, PreferenceParams, RuntimeParams, SftParams, TokenizeParams,
+    ExportParams, GrpoParams, ModelParams, PlanParams, PreferenceParams, RuntimeParams, SftParams, TokenizeParams,
+    TrackingParams,
 )
 from tunix_pipeline.planning import DoesNotFit, build_plan, grpo_xla, markdown, refusal, with_xla_check
+from tunix_pipeline.planning.disk import add_disk, plan_disk
 from tunix_pipeline.planning.grpo import add_grpo
 from tunix_pipeline.planning.preference import add_preference
 from tunix_pipeline.planning.preference import check_against_xla as check_preference_against_xla
@@ -16,11 +18,13 @@ log = logging.getLogger(__name__)
 def plan_training(
     tokenize_report: dict | None, model: ModelParams, sft: SftParams, runtime: RuntimeParams, tokenize: TokenizeParams,
     plan: PlanParams, preference: PreferenceParams, sessions: dict, grpo: GrpoParams,
+    export: ExportParams | None = None, tracking: TrackingParams | None = None,
 ) -> tuple[dict, str]:
     """The plan for every hardware profile (SFT, and the preference stage and GRPO when this run or a later
     session of `sessions.plan` turns them on), checked against XLA (on a TPU profile: compiled for its
     topology, and resting on that); printed, and returned as JSON and Markdown. `tokenize_report` (None before
     the tokenize stage has run): the padding of the rows, for the useful tokens, examples and epochs."""
+    as_configured = grpo  # the disk counts each session's own stages (below, GRPO is the session that turns it on)
     # the XLA check may rebuild the plan on the compiled figures: the preference stage is added after it
     result = with_xla_check(build_plan(model, sft, runtime, tokenize, plan, tokenize_report=tokenize_report), model, plan)
     result = add_preference(result, _planned_preference(preference, sessions), plan)
@@ -33,9 +37,51 @@ def plan_training(
     if plan.xla_check.enabled and plan.xla_check.grpo and grpo.enabled:  # XLA:TPU only: None unless libtpu or a TPU is at hand
         compiled = grpo_xla.check(result, model, grpo, plan.xla_check.max_layers, plan, runtime.decode_weights)
     result = add_grpo(result, grpo, plan, grpo_hours, compiled)
+    if export is not None:
+        result = add_disk(result, plan_disk(
+            result.job.arch, result.selected.setup, result.selected.hw,
+            disk_sessions(model, sft, preference, as_configured, sessions, result.job.max_steps),
+            export, tracking, runtime.output_root,
+        ))
     text = markdown(result)
     print(text)  # noqa: T201 - the table is this pipeline's output
     return result.summary(), text
+
+
+def disk_sessions(model: ModelParams, sft: SftParams, preference: PreferenceParams, grpo: GrpoParams, sessions: dict,
+                  sft_steps: int | None) -> list[tuple[str, ModelParams, list]]:
+    """(name, model, [(stage, its section, its steps or None)]) of every session of `sessions.plan` (each with its
+    own parameters over this run's), or of this run alone: what `planning.disk` counts the bytes of."""
+    from omegaconf import OmegaConf
+
+    plan_sessions = (sessions or {}).get("plan") or []
+    current = ((sessions or {}).get("current") or {}).get("name")
+
+    def own_folder(section, name):  # each session checkpoints in <checkpoint_dir>/<session> (sessions.py)
+        folder = section.checkpoint_dir.removesuffix(f"/{current}") if current else section.checkpoint_dir
+        return section.model_copy(update={"checkpoint_dir": f"{folder}/{name}" if name else folder})
+
+    def merged(params, changes, extra=None):
+        if not changes:
+            return params
+        data = OmegaConf.to_container(OmegaConf.merge(params.model_dump(), changes, extra or {}))
+        return type(params).model_validate(data)
+
+    def stages(name, changes, index):
+        this_sft = merged(sft, changes.get("sft"), {"init_from": sft.init_from or "previous session"} if index else None)
+        this_pref, this_grpo = merged(preference, changes.get("preference")), merged(grpo, changes.get("grpo"))
+        touched = {"max_steps", "epochs"} & set(changes.get("sft") or {})
+        steps = sft_steps if not touched else this_sft.max_steps
+        out = [("sft", own_folder(this_sft, name), steps)] if steps != 0 else []
+        if this_pref.enabled:
+            out.append(("preference", own_folder(this_pref, name), this_pref.max_steps))
+        if this_grpo.enabled:
+            out.append(("grpo", own_folder(this_grpo, name), this_grpo.max_steps))
+        return merged(model, changes.get("model")), out
+
+    if not plan_sessions:
+        return [("this run", *stages(None, {}, 0))]
+    return [(s["name"], *stages(s["name"], s.get("params") or {}, i)) for i, s in enumerate(plan_sessions)]
 
 
 def _planned_preference(preference: PreferenceParams, sessions: dict) -> PreferenceParams:
