@@ -276,3 +276,37 @@ def test_a_session_on_scratch_checkpoints_hands_the_next_one_its_saved_weights(p
     assert second["parent_checkpoint"] == str(saved.resolve()) and second["parent_step"] == 8
     assert (second["resumed_from_step"], second["latest_step"]) == (0, 4)
     assert second["first_loss"] < 0.9 * first["first_loss"]  # it starts from session 1's weights
+
+
+def test_the_sft_preflight_stops_a_run_whose_outputs_do_not_fit_the_disk(tmp_path):
+    import pandas as pd
+    import yaml
+
+    from tunix_pipeline.config import GrpoParams, PlanParams, PreferenceParams, RuntimeParams, SftParams, TokenizeParams
+    from tunix_pipeline.pipelines.plan.nodes import check_sft_fits
+    from tunix_pipeline.planning import DoesNotFit
+
+    from .conftest import ROOT
+
+    base = yaml.safe_load((ROOT / "conf" / "base" / "parameters_plan.yml").read_text())["plan"]
+    base["profiles"]["kaggle-tpu-v5e-8"]["disk_gb"] = 40  # a smaller disk than the 73 GB the run's 70 GB fit
+    plan = PlanParams.model_validate({**base, "hardware": "kaggle-tpu-v5e-8", "xla_check": {"enabled": False}})
+    root = str(tmp_path / "working")
+    model = ModelParams(source="google/gemma-2b", dtype="bfloat16")
+    sft = SftParams(max_steps=120, per_device_batch_size=4, learning_rate=2e-5, checkpoint_every=40, remat="decoder",
+                    checkpoint_dir=f"{root}/06_models/sft_checkpoints", keep_checkpoints=3)
+    stages = (PreferenceParams(), GrpoParams(max_steps=10), ExportParams(output_dir=f"{root}/e"), _tracking(False))
+    rows = pd.DataFrame({"input_tokens": [[1] * 1024] * 4})
+    with pytest.raises(DoesNotFit) as err:
+        check_sft_fits({"path": "nowhere"}, rows, None, model, sft, RuntimeParams(output_root=root),
+                       TokenizeParams(max_length=1024), plan, *stages)
+    message = str(err.value)
+    assert message.startswith("google/gemma-2b's outputs do not fit the disk of kaggle-tpu-v5e-8:")
+    assert "writes 70.2 GB at its peak" in message and "keep_checkpoints" in message
+    # on the profile's own 73 GB it goes on, warning that 50 GB under the output root is more than Kaggle saves
+    plan = PlanParams.model_validate({**base, "hardware": "kaggle-tpu-v5e-8", "xla_check": {"enabled": False},
+                                      "profiles": {**base["profiles"], "kaggle-tpu-v5e-8": {
+                                          **base["profiles"]["kaggle-tpu-v5e-8"], "disk_gb": 73}}})
+    _, summary = check_sft_fits({"path": "nowhere"}, rows, None, model, sft, RuntimeParams(output_root=root),
+                                TokenizeParams(max_length=1024), plan, *stages)
+    assert summary["status"] == "risky" and summary["disk"]["status"] == "warning"

@@ -203,6 +203,14 @@ def disk_status(plan: Plan, status: str) -> str:
     return status
 
 
+def disk_refusal(plan: Plan) -> str:
+    """A run whose memory fits and whose outputs do not fit the session's disk: by how much, and what to change."""
+    lines = [f"{plan.job.arch.name}'s outputs do not fit the disk of {plan.selected.profile}:"]
+    lines += [f"  - {m}" for m in plan.disk["messages"]]
+    lines.append("  (`kedro run --pipelines=plan` shows every output's bytes; the profile's disk_gb is the volume)")
+    return "\n".join(lines)
+
+
 def disk_section(disk: dict) -> list[str]:
     """Every output's bytes on disk (planning.disk), per session, against the profile's volumes."""
     v = disk["volumes"]
@@ -229,6 +237,8 @@ def disk_section(disk: dict) -> list[str]:
 
 def refusal(plan: Plan) -> str:
     """Why the selected run cannot start, by how much, and what would make it fit."""
+    if plan.selected.fits and (plan.disk or {}).get("status") == "over":
+        return disk_refusal(plan)
     s = plan.selected
     over = s.peak - s.usable_bytes
     m = s.memory

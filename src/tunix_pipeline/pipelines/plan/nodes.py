@@ -114,8 +114,13 @@ def check_sft_fits(
     runtime: RuntimeParams,
     tokenize: TokenizeParams,
     plan: PlanParams,
+    preference: PreferenceParams | None = None,
+    grpo: GrpoParams | None = None,
+    export: ExportParams | None = None,
+    tracking: TrackingParams | None = None,
 ) -> tuple[dict, dict]:
-    """The sft preflight: stops a run that cannot fit before any weights are read, warns when it is risky.
+    """The sft preflight: stops a run that cannot fit (memory, or this session's outputs on the profile's disk)
+    before any weights are read, warns when it is risky.
 
     Passes `base_model` through, so the training node runs after it.
     """
@@ -126,6 +131,11 @@ def check_sft_fits(
                         tokenize_report=tokenize_report)
     # on a TPU (attached, or a profile's topology with libtpu) the fit is XLA:TPU's compiled figure
     result = with_xla_check(result, model, plan, tpu_only=True)
+    if export is not None and preference is not None and grpo is not None:  # this session's outputs only
+        result = add_disk(result, plan_disk(
+            result.job.arch, result.selected.setup, result.selected.hw,
+            disk_sessions(model, sft, preference, grpo, {}, result.job.max_steps), export, tracking, runtime.output_root,
+        ))
     if result.status == "over":
         raise DoesNotFit(refusal(result))
     for warning in result.warnings:  # the precision warning among them: updates that round away

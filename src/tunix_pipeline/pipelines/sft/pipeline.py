@@ -15,7 +15,8 @@ def create_pipeline(**kwargs) -> Pipeline:
                 check_sft_fits,
                 inputs=[
                     "base_model", "train_tokens", "tokenize_report", "params:model", "params:sft", "params:runtime",
-                    "params:tokenize", "params:plan",
+                    "params:tokenize", "params:plan", "params:preference", "params:grpo", "params:export",
+                    "params:tracking",
                 ],
                 outputs=["planned_base_model", "sft_plan"],
                 name="check_sft_fits",
