@@ -37,6 +37,9 @@ def options(every: int, keep: int, last_step: int | None = None, dev=None):
     `dev` (a `dev_eval.DevEval`): also save at its dev steps and keep its best step beside the latest."""
     import orbax.checkpoint as ocp
 
+    from tunix_pipeline.upstream import loops_finish_their_tasks
+
+    loops_finish_their_tasks()  # a failed restore leaves no reads calling back into a closed loop
     policies = ocp.checkpoint_managers
     steps = [policies.FixedIntervalPolicy(every)]
     if last_step is not None:  # saved inside the loop, so Tunix stores its step metadata with it
@@ -48,6 +51,9 @@ def options(every: int, keep: int, last_step: int | None = None, dev=None):
     return ocp.CheckpointManagerOptions(
         save_decision_policy=policies.AnySavePolicy([*steps, policies.PreemptionCheckpointingPolicy()]),
         enable_async_checkpointing=True,
+        # a step half-written when the run stopped (a full disk, a kill) stays `<step>.orbax-checkpoint-tmp`, never
+        # a step `latest_step` or Orbax resumes from; removed when the next run opens the folder, so its space is back
+        cleanup_tmp_directories=True,
         **kept,
     )
 
@@ -67,10 +73,16 @@ def params_dir(checkpoint_dir: str | Path, step: int) -> epath.Path:
 def set_aside(ckpt_dir: epath.Path, step: int, err: Exception) -> None:
     target = ckpt_dir / f"{step}.corrupt"
     log.warning("checkpoint %s/%d cannot be restored (%s); moved to %s, resuming from the one before",
-                ckpt_dir, step, err, target)
+                ckpt_dir, step, _first_line(err), target)
     if jax.process_index() == 0:
         (ckpt_dir / str(step)).rename(target)
     barrier(f"set_aside_{step}")
+
+
+def _first_line(err: Exception) -> str:
+    """The gist of a restore error: TensorStore's messages go on with the whole store's spec, dozens of lines."""
+    text = str(err).split("\n", 1)[0].split(" See full TensorStore details", 1)[0]
+    return f"{type(err).__name__}: {text[:300]}"
 
 
 def restored_trainer(build, ckpt_dir: epath.Path):
@@ -91,6 +103,9 @@ def restore_latest(model, checkpoint_dir: str | Path, step: int | None = None) -
     from tunix.sft import checkpoint_manager
     from tunix.sft import utils as sft_utils
 
+    from tunix_pipeline.upstream import loops_finish_their_tasks
+
+    loops_finish_their_tasks()
     manager = checkpoint_manager.CheckpointManager(str(storage_path(checkpoint_dir)))
     try:
         step, _ = manager.maybe_restore(model, step=step, restore_only_lora_params=sft_utils.is_lora_enabled(model))

@@ -3,14 +3,16 @@
 A user error (`tunix_pipeline.errors.UserError`: bad data, a model that cannot load, a mesh
 that cannot be built, a run that cannot fit; or parameters that fail validation) prints its
 message and exits 1; its text already says what, where and how to fix it, so a screen of
-traceback would only hide it. Any other exception is a bug and keeps its traceback.
+traceback would only hide it. A full disk or quota, in any stage and whichever library wrote, is a user error
+too (`errors.DiskFullError`: the folder, the bytes needed and free, the setting to change). Any other exception
+is a bug and keeps its traceback.
 """
 
 import click
 from kedro.framework.cli.project import run as kedro_run
 from kedro.validation.exceptions import ParameterValidationError
 
-from tunix_pipeline.errors import UserError
+from tunix_pipeline.errors import UserError, disk_full_cause, disk_full_error
 
 USER_ERRORS = (UserError, ParameterValidationError)
 
@@ -25,6 +27,18 @@ def _run(**kwargs):
         return kedro_run.callback(**kwargs)
     except USER_ERRORS as err:
         raise click.ClickException(str(err)) from None
+    except Exception as err:
+        if disk_full_cause(err) is None:
+            raise
+        raise click.ClickException(str(disk_full_error(err, _run_params()))) from None
+
+
+def _run_params() -> dict:
+    """The failed run's resolved parameters, as the project's hooks read them when its context was created (they
+    name the setting of the folder that filled up); empty before that."""
+    from kedro.framework.project import settings
+
+    return next((hook._params for hook in settings.HOOKS if getattr(hook, "_params", None)), {})
 
 
 # Kedro's `run`, same options and help, with the error handling above

@@ -10,6 +10,13 @@ configuration (KEDRO_LOGGING_CONFIG, conf/logging.yml) or a notebook installs: K
 modules (others need KEDRO_LOGGING_MODULE_ALLOWLIST, read before any project code runs), so a
 filter class of ours cannot be named in the logging configuration. `settings.py` calls `install()`,
 which Kedro imports before it creates the configuration loader or runs a node.
+
+A full disk or quota is reported once, as the run's one `Error:` line (`cli.py`); the records that report it on
+the way there (each of Orbax's background save threads with its traceback, Kedro's failed-node line, MLflow's
+store) are dropped (`DISK_FULL_LOGGERS`). `RuntimeError: Event loop is closed`, raised in a callback that Orbax's
+reads or writes leave behind on an event loop already closed (a restore that failed on a corrupt checkpoint, which
+the run sets aside with one warning; `upstream.loops_finish_their_tasks` prevents the ones we know of), is dropped
+wherever Python reports it: asyncio's logger and `sys.unraisablehook`.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import PurePath
+
+from tunix_pipeline.errors import disk_full_cause
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,35 @@ LOG_LINES = (
     ),
 )
 
+# the loggers that report a full disk before the run stops with it: Orbax's async save threads (absl), asyncio's
+# tasks and callbacks, Kedro's failed node, MLflow's SQLite store (marking the failed run on the same full volume)
+DISK_FULL_LOGGERS = ("absl", "asyncio", "kedro.pipeline.node", "mlflow.store.db.utils")
+
+
+class _DropDiskFull(logging.Filter):
+    """Drops an error record whose exception or message is a full disk or quota; keeps every other record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        return disk_full_cause(exc) is None and disk_full_cause(Exception(record.getMessage())) is None
+
+
+def _late_callback(exc: BaseException | None) -> bool:
+    """A callback that found its event loop already closed: nothing waits for its result any more."""
+    return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
+class _DropLateCallbacks(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and _late_callback(record.exc_info[1]))
+
+
+def _unraisable_hook(report) -> None:
+    if not _late_callback(report.exc_value):
+        _unraisable_hook.previous(report)
+
 
 class _DropKnown(logging.Filter):
     """Drops the records of `lines` (all from one logger); keeps every other record."""
@@ -132,3 +170,13 @@ def install() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropKnown) for f in logger.filters):
             logger.addFilter(_DropKnown(tuple(line for line in LOG_LINES if line.logger == name)))
+    asyncio_logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _DropLateCallbacks) for f in asyncio_logger.filters):
+        asyncio_logger.addFilter(_DropLateCallbacks())
+    if sys.unraisablehook is not _unraisable_hook:
+        _unraisable_hook.previous = sys.unraisablehook
+        sys.unraisablehook = _unraisable_hook
+    for name in DISK_FULL_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropDiskFull) for f in logger.filters):
+            logger.addFilter(_DropDiskFull())
