@@ -116,8 +116,16 @@ def test_full_disks_as_each_library_says_it(tmp_path):
             raise RuntimeError("(sqlite3.OperationalError) database or disk is full") from None
     except RuntimeError as outer:
         assert str(disk_full_error(outer, params)) == text
-    text = str(disk_full_error(RuntimeError("(sqlite3.OperationalError) database or disk is full"), params))
+    sqlite = RuntimeError("(sqlite3.OperationalError) database or disk is full")
+    text = str(disk_full_error(sqlite, params))
     assert text.startswith(f"no space left on device in {tmp_path / 'out'}: the size it needed is unknown, ")
+    (tmp_path / "mlruns").mkdir()
+    tracked = {**params, "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlruns/mlflow.db"}}
+    text = str(disk_full_error(sqlite, tracked))
+    assert text.startswith(f"no space left on device in {tmp_path / 'mlruns'}: ")
+    assert "point tracking.tracking_uri (or runtime.output_root) at" in text
+    tracked["tracking"]["tracking_uri"] = f"sqlite:///{tmp_path}/out/mlflow.db"  # the default: in the output root
+    assert "or point runtime.output_root at" in str(disk_full_error(sqlite, tracked))
 
     parquet = tmp_path / "out" / "05_model_input"
     parquet.mkdir(parents=True)

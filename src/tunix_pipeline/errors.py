@@ -72,6 +72,9 @@ def disk_full_error(err: BaseException, params: dict | None = None) -> DiskFullE
     text = str(cause)
     paths = _paths(cause)
     root = (params.get("runtime") or {}).get("output_root")
+    uri = str((params.get("tracking") or {}).get("tracking_uri") or "")
+    if not paths and "database or disk is full" in text and uri.startswith("sqlite:///"):
+        paths = [uri.removeprefix("sqlite:///")]  # MLflow's SQLite names no file: the run's tracking database
     path = Path(paths[-1] if paths else root or ".").absolute()
     checkpoints = next((p.parent for p in (path, *path.parents) if _STEP.match(p.name)), None)
     folder = checkpoints or (path if path.is_dir() else path.parent)
@@ -120,8 +123,10 @@ def _setting(folder: Path, params: dict) -> str:
     found = []
     for section, values in params.items():
         for key, value in (values.items() if isinstance(values, dict) else ()):
-            if isinstance(value, str) and (key.endswith("_dir") or key == "output_root") and "://" not in value:
+            if key == "tracking_uri" and isinstance(value, str) and value.startswith("sqlite:///"):
+                value = str(Path(value.removeprefix("sqlite:///")).parent)  # MLflow's database's folder
+            if isinstance(value, str) and (key.endswith(("_dir", "_uri")) or key == "output_root") and "://" not in value:
                 root = Path(value).absolute()
-                if folder == root or root in folder.parents:
-                    found.append((len(root.parts), f"{section}.{key}"))
-    return max(found)[1] if found else "runtime.output_root"
+                if folder == root or root in folder.parents:  # the deepest; the output root before another as deep
+                    found.append((len(root.parts), key == "output_root", f"{section}.{key}"))
+    return max(found)[2] if found else "runtime.output_root"
