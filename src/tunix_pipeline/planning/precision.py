@@ -151,7 +151,7 @@ def learning_rates(peak: float, warmup_steps: int, schedule: str, max_steps: int
     rest = max(max_steps - warmup_steps, 1)
     end = {"cosine": 0.1 * peak, "linear": peak / rest, "constant": peak}[schedule]
     smallest = min(end, peak / warmup_steps) if warmup_steps else end
-    return {"peak": peak, "end": end, "smallest": smallest}
+    return {k: float(f"{v:.4g}") for k, v in (("peak", peak), ("end", end), ("smallest", smallest))}
 
 
 def update_precision(
