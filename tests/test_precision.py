@@ -101,3 +101,37 @@ def test_the_plan_summary_and_markdown_carry_the_share(tmp_path):
                              update={"enabled": False})}))
     assert masters.summary()["update_precision"]["share_changed"]["peak"] == pytest.approx(1.0, abs=1e-4)
     assert not any("updates round away" in w for w in masters.warnings)
+
+
+def test_the_sft_preflight_measures_the_base_model_and_warns(tmp_path, caplog):
+    import logging
+
+    import pandas as pd
+    from safetensors.numpy import save_file
+
+    from tunix_pipeline.config import ModelParams, RuntimeParams, SftParams, TokenizeParams
+    from tunix_pipeline.pipelines.plan.nodes import check_sft_fits
+
+    from .test_planning import PLAN
+
+    # the base model's folder: config.json of Gemma-2B, a matrix of realistic magnitude as its safetensors
+    (tmp_path / "config.json").write_text(json.dumps({**PLAN.architectures["google/gemma-2b"],
+                                                       "architectures": ["GemmaForCausalLM"]}))
+    save_file({"w": _normal_weights().reshape(400, 500)}, str(tmp_path / "model.safetensors"))
+    plan = PLAN.model_copy(update={"hardware": "kaggle-tpu-v5e-8",
+                                   "xla_check": PLAN.xla_check.model_copy(update={"enabled": False})})
+    model = ModelParams(source="google/gemma-2b", dtype="bfloat16")
+    sft = SftParams(max_steps=114, per_device_batch_size=4, learning_rate=2e-5, warmup_steps=10, checkpoint_every=40,
+                    remat="decoder")
+    rows = pd.DataFrame({"input_tokens": [[1] * 1024] * 32})
+    logger = logging.getLogger("tunix_pipeline.pipelines.plan.nodes")
+    logger.addHandler(caplog.handler)  # the project's logging config may stop propagation to the root
+    try:
+        with caplog.at_level(logging.INFO, logger=logger.name):
+            _, summary = check_sft_fits({"path": str(tmp_path)}, rows, None, model, sft, RuntimeParams(),
+                                        TokenizeParams(max_length=1024), plan)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert summary["update_precision"]["magnitudes"].startswith("measured")
+    assert "updates round away" in caplog.text and "sft.compute_dtype: bfloat16" in caplog.text
+    assert "a step can change" in caplog.text
