@@ -320,7 +320,10 @@ def completion_logits_only():
     def compute_per_token_logps(graphdef, state, prompt_tokens, completion_tokens, *args, **kwargs):
         model = nnx.merge(graphdef, state)  # a copy: the caller's model keeps its norm
         if isinstance(model, models):  # a packed row is shorter than the slice, and kept whole
-            model.final_norm = LastPositions(model.final_norm, completion_tokens.shape[1] + 1)
+            # one position more than Tunix's `logits[:, -n - 1:-1]` reads: as a prefix of the kept positions that
+            # slice is a bitcast XLA:TPU miscompiles ("Bitcast cannot have different shape sizes"; Gemma 3 1B,
+            # 320-token completions, v5e 2x4)
+            model.final_norm = LastPositions(model.final_norm, completion_tokens.shape[1] + 2)
             graphdef, state = nnx.split(model)
         return original(graphdef, state, prompt_tokens, completion_tokens, *args, **kwargs)
 
