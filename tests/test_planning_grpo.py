@@ -124,10 +124,10 @@ def test_grpo_compiles_for_a_kaggle_v5e_8():
     completions, micro = grpo.batch_size * grpo.num_generations, grpo.batch_size // grpo.micro_batch_size
     assert g["update_flops"] == pytest.approx(compiled["update"]["flops_per_device"] * 8 * micro)
     # the update's FLOPs: 4 a frozen weight and token (forward and input gradients) for the sequences of 480
-    # tokens, the output layer's at the completion's 320 positions and the last prompt token's only
+    # tokens, the output layer's at the completion's 320 positions and the last two prompt tokens' only
     # (`upstream.completion_logits_only`), attention and LoRA on top
     layers = 3 * (2304 * 2048 + 2 * 2304 * 1024 + 2048 * 2304 + 3 * 2304 * 9216)
-    frozen_per_sequence = layers * 480 + 256_000 * 2304 * 321
+    frozen_per_sequence = layers * 480 + 256_000 * 2304 * 322
     print(f"update FLOPs / frozen weights' {g['update_flops'] / (4 * frozen_per_sequence * completions):.3f}")
     assert 1.0 < g["update_flops"] / (4 * frozen_per_sequence * completions) < 1.6
     # the decode step's roofline rests on XLA:TPU's cost analysis: its FLOPs and bytes accessed per chip
@@ -210,3 +210,26 @@ def test_the_old_decode_utilisation_is_one_line_naming_its_replacement():
             PlanParams(**data)
         line = one_line("plan", PlanParams, err.value)
         assert "\n" not in line and "decode_utilisation" in line and "decode_roofline_fraction" in line, line
+
+
+@pytest.mark.slow
+def test_gemma_3s_update_compiles_for_a_kaggle_v5e_8():
+    """The Gemma-3-1B Kaggle recipe's GRPO update, one layer, compiled by XLA:TPU: with the output layer at the
+    completion's positions, Tunix's logit slice as a prefix of the kept positions miscompiled there ("Bitcast
+    cannot have different shape sizes", 320-token completions of a 262,144-word vocabulary)."""
+    from tunix_pipeline.planning import grpo_xla, xla
+    from tunix_pipeline.planning.grpo import update_setup
+
+    recipe = yaml.safe_load((ROOT / "conf/kaggle_gemma3_1b_v5e8/parameters.yml").read_text())
+    source = recipe["model"]["source"]
+    hf = {**BASE["architectures"], **recipe["plan"].get("architectures", {})}[source]
+    plan_params = PlanParams(**{**BASE, "hardware": "kaggle-tpu-v5e-8", "train_rows": recipe["plan"]["train_rows"],
+                                "architectures": {source: {**hf, "num_hidden_layers": 1}}})
+    model = ModelParams(source=source, dtype="bfloat16", lora=LoraParams(**recipe["model"]["lora"]))
+    grpo = GrpoParams(**{**recipe["grpo"], "enabled": True})
+    plan = build_plan(model, SftParams(**recipe["sft"]), RuntimeParams(), TokenizeParams(**recipe["tokenize"]),
+                      plan_params)
+    _, devices = xla.tpu_target(plan.selected.hw)
+    compiled = grpo_xla.compile_update_step(plan.job.arch, update_setup(plan.selected, grpo), grpo, 1, model.lora,
+                                            devices)
+    assert 0 < compiled["peak"] < 16 * GIB and compiled["flops"] > 0

@@ -52,12 +52,12 @@ def micro_batches(grpo: GrpoParams) -> int:
 
 def update_setup(row: Row, grpo: GrpoParams) -> TrainSetup:
     """The policy's train step on this profile: micro-batch (else batch) x G sequences of prompt + completion
-    tokens, accumulated over the micro-batches; the output layer at the completion's positions and the last
-    prompt token's only (`upstream.completion_logits_only`), whole."""
+    tokens, accumulated over the micro-batches; the output layer at the completion's positions and the two
+    prompt positions before them only (`upstream.completion_logits_only`), whole."""
     return row.setup.replace(per_device_batch=sequences_per_device(grpo, row.setup, grpo.micro_batch_size),
                              seq_len=grpo.max_prompt_length + grpo.max_completion_length,
                              grad_accum=micro_batches(grpo), loss_chunk=None,
-                             logit_positions=grpo.max_completion_length + 1)
+                             logit_positions=grpo.max_completion_length + 2)
 
 
 def rollout_setup(row: Row, grpo: GrpoParams) -> TrainSetup:

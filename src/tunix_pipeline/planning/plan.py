@@ -300,10 +300,8 @@ def make_plan(job: Job, plan: PlanParams, selected: tuple[str, HardwareProfile],
     if status == "ok" and warnings:
         status = "risky"
     useful = goodput_summary(job, chosen, plan.warn_padding_efficiency, lambda n: hours_for_steps(job, chosen, plan, n))
-    if "warning" in useful:
-        warnings.append(useful["warning"])  # after the status: padding costs time, not memory
-    if job.precision and "warning" in job.precision:
-        warnings.append(job.precision["warning"])  # after the status too: it costs no memory
+    # after the status: padding costs time and updates lost to rounding cost quality, neither memory
+    warnings += [figure["warning"] for figure in (useful, job.precision or {}) if "warning" in figure]
     return Plan(
         job=job,
         rows=rows,

@@ -308,8 +308,8 @@ class LastPositions(nnx.Module):
 @contextlib.contextmanager
 def completion_logits_only():
     """Within this block, Tunix's `compute_per_token_logps` (GRPO's loss, reference and old-policy log-probs) runs
-    the output layer only at the positions whose logits it keeps (the completion's and the last prompt token's):
-    same log-probs and gradients, no (batch, prompt, vocabulary) logits. Exact for Tunix's Gemma, Gemma 3, Llama 3
+    the output layer only at the completion's positions and the two prompt positions before them (the last one's
+    logits are the first it keeps): same log-probs and gradients, no (batch, prompt, vocabulary) logits. Exact for Tunix's Gemma, Gemma 3, Llama 3
     and Qwen 2/3 (ours subclass them), whose `__call__` ends `final_norm`, then per-position steps only (output
     layer, softcap, cast); other models take Tunix's path."""
     from tunix.rl import common
