@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tunix_pipeline.errors import DiskFullError, disk_full_cause, disk_full_error
+from tunix_pipeline.disk_full import DiskFullError, disk_full_cause, disk_full_error
 
 KEDRO = str(Path(sys.executable).with_name("kedro"))
 # to SFT's end only (the shortest run that writes checkpoints): step 10's checkpoint fits in 6 MB beside the

@@ -4,7 +4,7 @@ A user error (`tunix_pipeline.errors.UserError`: bad data, a model that cannot l
 that cannot be built, a run that cannot fit; or parameters that fail validation) prints its
 message and exits 1; its text already says what, where and how to fix it, so a screen of
 traceback would only hide it. A full disk or quota, in any stage and whichever library wrote, is a user error
-too (`errors.DiskFullError`: the folder, the bytes needed and free, the setting to change). Any other exception
+too (`disk_full.DiskFullError`: the folder, the bytes needed and free, the setting to change). Any other exception
 is a bug and keeps its traceback.
 """
 
@@ -12,7 +12,8 @@ import click
 from kedro.framework.cli.project import run as kedro_run
 from kedro.validation.exceptions import ParameterValidationError
 
-from tunix_pipeline.errors import UserError, disk_full_cause, disk_full_error
+from tunix_pipeline.disk_full import disk_full_cause, disk_full_error
+from tunix_pipeline.errors import UserError
 
 USER_ERRORS = (UserError, ParameterValidationError)
 

@@ -28,7 +28,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import PurePath
 
-from tunix_pipeline.errors import disk_full_cause
+from tunix_pipeline.disk_full import disk_full_cause
 
 
 @dataclass(frozen=True)
