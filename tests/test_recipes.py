@@ -368,7 +368,7 @@ def test_the_judge_recipe_is_the_gemma3_recipe_with_a_gemma3_4b_judge_on_half_th
 def test_every_session_of_the_kaggle_recipes_fits_the_saved_output(params, env):
     """Each session's outputs under /kaggle/working within the 20 GB a notebook saves, the session disk's peak
     within its 73 GB (planning/disk.py, the figures of each recipe's comment and docs/plan.md's Disk section)."""
-    from tunix_pipeline.pipelines.plan.nodes import disk_sessions
+    from tunix_pipeline.planning.disk import disk_sessions
     from tunix_pipeline.planning.disk import GB as DISK_GB
     from tunix_pipeline.planning.disk import plan_disk
 

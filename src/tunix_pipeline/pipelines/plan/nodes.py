@@ -7,7 +7,7 @@ from tunix_pipeline.config import (
     TrackingParams,
 )
 from tunix_pipeline.planning import DoesNotFit, build_plan, grpo_xla, markdown, refusal, with_xla_check
-from tunix_pipeline.planning.disk import add_disk, plan_disk
+from tunix_pipeline.planning.disk import add_disk, disk_sessions, plan_disk
 from tunix_pipeline.planning.grpo import add_grpo
 from tunix_pipeline.planning.preference import add_preference
 from tunix_pipeline.planning.preference import check_against_xla as check_preference_against_xla
@@ -46,42 +46,6 @@ def plan_training(
     text = markdown(result)
     print(text)  # noqa: T201 - the table is this pipeline's output
     return result.summary(), text
-
-
-def disk_sessions(model: ModelParams, sft: SftParams, preference: PreferenceParams, grpo: GrpoParams, sessions: dict,
-                  sft_steps: int | None) -> list[tuple[str, ModelParams, list]]:
-    """(name, model, [(stage, its section, its steps or None)]) of every session of `sessions.plan` (each with its
-    own parameters over this run's), or of this run alone: what `planning.disk` counts the bytes of."""
-    from omegaconf import OmegaConf
-
-    plan_sessions = (sessions or {}).get("plan") or []
-    current = ((sessions or {}).get("current") or {}).get("name")
-
-    def own_folder(section, name):  # each session checkpoints in <checkpoint_dir>/<session> (sessions.py)
-        folder = section.checkpoint_dir.removesuffix(f"/{current}") if current else section.checkpoint_dir
-        return section.model_copy(update={"checkpoint_dir": f"{folder}/{name}" if name else folder})
-
-    def merged(params, changes, extra=None):
-        if not changes:
-            return params
-        data = OmegaConf.to_container(OmegaConf.merge(params.model_dump(), changes, extra or {}))
-        return type(params).model_validate(data)
-
-    def stages(name, changes, index):
-        this_sft = merged(sft, changes.get("sft"), {"init_from": sft.init_from or "previous session"} if index else None)
-        this_pref, this_grpo = merged(preference, changes.get("preference")), merged(grpo, changes.get("grpo"))
-        touched = {"max_steps", "epochs"} & set(changes.get("sft") or {})
-        steps = sft_steps if not touched else this_sft.max_steps
-        out = [("sft", own_folder(this_sft, name), steps)] if steps != 0 else []
-        if this_pref.enabled:
-            out.append(("preference", own_folder(this_pref, name), this_pref.max_steps))
-        if this_grpo.enabled:
-            out.append(("grpo", own_folder(this_grpo, name), this_grpo.max_steps))
-        return merged(model, changes.get("model")), out
-
-    if not plan_sessions:
-        return [("this run", *stages(None, {}, 0))]
-    return [(s["name"], *stages(s["name"], s.get("params") or {}, i)) for i, s in enumerate(plan_sessions)]
 
 
 def _planned_preference(preference: PreferenceParams, sessions: dict) -> PreferenceParams:
