@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 def plan_training(
     tokenize_report: dict | None, model: ModelParams, sft: SftParams, runtime: RuntimeParams, tokenize: TokenizeParams,
     plan: PlanParams, preference: PreferenceParams, sessions: dict, grpo: GrpoParams,
-    export: ExportParams | None = None, tracking: TrackingParams | None = None,
+    export: ExportParams = None, tracking: TrackingParams = None,  # plain hints: Kedro validates one type a section
 ) -> tuple[dict, str]:
     """The plan for every hardware profile (SFT, and the preference stage and GRPO when this run or a later
     session of `sessions.plan` turns them on), checked against XLA (on a TPU profile: compiled for its
@@ -78,10 +78,10 @@ def check_sft_fits(
     runtime: RuntimeParams,
     tokenize: TokenizeParams,
     plan: PlanParams,
-    preference: PreferenceParams | None = None,
-    grpo: GrpoParams | None = None,
-    export: ExportParams | None = None,
-    tracking: TrackingParams | None = None,
+    preference: PreferenceParams = None,  # plain hints: Kedro validates one type a section
+    grpo: GrpoParams = None,
+    export: ExportParams = None,
+    tracking: TrackingParams = None,
 ) -> tuple[dict, dict]:
     """The sft preflight: stops a run that cannot fit (memory, or this session's outputs on the profile's disk)
     before any weights are read, warns when it is risky.
