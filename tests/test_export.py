@@ -133,6 +133,22 @@ def test_bf16_loads_and_exports_in_bf16(gemma_dir, tmp_path):
     assert transformers.AutoModelForCausalLM.from_pretrained(out).model.embed_tokens.weight.dtype == torch.bfloat16
 
 
+def test_float32_masters_ship_in_bf16(gemma_dir, tmp_path):
+    """export.dtype: bfloat16 writes the float32 weights rounded to bf16, half the bytes; GGUF is not affected."""
+    import ml_dtypes
+    from safetensors.numpy import load_file
+
+    model, _ = load_model(gemma_dir, None)
+    trained = load_file(str(export_pretrained(model, tmp_path / "f32") / "model.safetensors"))
+    out = export_pretrained(model, tmp_path / "bf16", dtype="bfloat16")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    shipped = load_file(str(out / "model.safetensors"))
+    assert shipped.keys() == trained.keys()
+    for name, weights in trained.items():
+        assert shipped[name].dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(shipped[name], weights.astype(ml_dtypes.bfloat16))
+
+
 GEMMA_2B = {  # google/gemma-2b config.json (as of 2024-2026)
     "architectures": ["GemmaForCausalLM"], "model_type": "gemma", "vocab_size": 256000, "hidden_size": 2048,
     "intermediate_size": 16384, "num_hidden_layers": 18, "num_attention_heads": 8, "num_key_value_heads": 1,

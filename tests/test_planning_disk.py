@@ -56,6 +56,22 @@ def test_gemma_2b_full_bf16_checkpoint_is_weights_and_two_adam_moments(tmp_path)
     assert any("keep_checkpoints" in m and "20 GB is saved" in m for m in disk["messages"])
 
 
+def test_float32_masters_with_a_bf16_first_moment_and_a_bf16_export(tmp_path):
+    """tpu_full's layout: float32 weights (10.0 GB), AdamW's first moment in bf16 and its second in float32 (15.0 GB),
+    the export cast to bf16 (5.0 GB)."""
+    root = str(tmp_path / "working")
+    arch = from_hf_config(GEMMA_2B, "google/gemma-2b")
+    setup = TrainSetup(per_device_batch=4, seq_len=1024, fsdp=8, param_dtype="float32", compute_dtype="bfloat16")
+    section = Section(checkpoint_dir=f"{root}/ckpt", checkpoint_every=40, keep_checkpoints=1, mu_dtype="bfloat16")
+    export = ExportParams(output_dir=f"{root}/06_models/exported", dtype="bfloat16")
+    disk = plan_disk(arch, setup, KAGGLE, [("s1", ModelParams(source="google/gemma-2b"), [("sft", section, 114)])],
+                     export, _tracking(False), root)
+    ckpt = _outputs(disk)["sft checkpoints"]
+    assert ckpt["parts_gb"]["weights"] == pytest.approx(10.025, abs=0.01)
+    assert ckpt["parts_gb"]["optimizer"] == pytest.approx(15.037, abs=0.01)
+    assert _outputs(disk)["export (HF safetensors, bfloat16)"]["gb"] == pytest.approx(5.03, abs=0.01)
+
+
 def test_checkpoints_on_scratch_save_only_the_final_weights(tmp_path):
     root = str(tmp_path / "working")
     disk = _plan(root, str(tmp_path / "temp" / "sft_checkpoints"), keep=2)

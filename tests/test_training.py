@@ -200,6 +200,18 @@ def test_weight_decay_skips_norms(tmp_path):
     assert float(jnp.abs(updates["kernel"]).max()) > 0 and float(jnp.abs(updates["scale"]).max()) == 0
 
 
+def test_mu_dtype_keeps_adams_first_moment_in_bf16_and_its_second_in_the_weights_dtype(tmp_path):
+    from pydantic import ValidationError
+
+    params = {"kernel": jnp.ones((4, 4), jnp.float32)}
+    sft = _sft(tmp_path, mu_dtype="bfloat16")
+    state = make_optimizer(sft, sft.max_steps).init(params)
+    moments = {str(leaf.dtype) for leaf in jax.tree.leaves(state) if getattr(leaf, "shape", ()) == (4, 4)}
+    assert moments == {"bfloat16", "float32"}  # mu, nu
+    with pytest.raises(ValidationError, match="mu_dtype is AdamW's first moment"):
+        _sft(tmp_path, mu_dtype="bfloat16", optimizer="adafactor")
+
+
 @pytest.mark.parametrize("lora, remat", [(True, "none"), (False, "decoder")])
 def test_logged_mfu_is_the_plans_mfu_without_a_hand_set_peak(tiny_model_dir, token_rows, tmp_path, lora, remat):
     """`train/mfu` = the plan's FLOPs of a step (LoRA: 2 passes, remat: one more) / step time / the profile's peak;

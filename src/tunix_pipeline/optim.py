@@ -31,7 +31,7 @@ def decay_mask(params):
 def make_optimizer(opt: OptimizerSettings, max_steps: int) -> optax.GradientTransformation:
     def build(learning_rate):
         if opt.optimizer == "adamw":
-            core = optax.adamw(learning_rate, weight_decay=opt.weight_decay, mask=decay_mask)
+            core = optax.adamw(learning_rate, weight_decay=opt.weight_decay, mask=decay_mask, mu_dtype=opt.mu_dtype)
         else:
             core = optax.adafactor(learning_rate, weight_decay_rate=opt.weight_decay or None, weight_decay_mask=decay_mask)
         if opt.max_grad_norm is None:

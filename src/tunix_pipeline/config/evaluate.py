@@ -74,6 +74,8 @@ class EvaluateParams(Strict):
 class ExportParams(Strict):
     output_dir: str = "data/06_models/exported"  # a local folder or a gs://bucket/path URI
     max_shard_size: str = "2GB"
+    # the folder's weights: null as trained (model.dtype); bfloat16 ships float32 masters at half the bytes
+    dtype: Literal["float32", "bfloat16"] | None = None
     # hf: the Hugging Face folder (always: the other stages and vLLM read it); gguf: also GGUF files and an
     # Ollama Modelfile in gguf_dir, one file per type in gguf_types
     formats: list[Literal["hf", "gguf"]] = ["hf"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 from tunix_pipeline.models.families import family_for
@@ -28,6 +29,7 @@ def export_pretrained(
     gguf_dir: str | Path | None = None,
     gguf_types: tuple[str, ...] | list[str] = ("f16", "q8_0"),
     chat_template: str | None = None,
+    dtype: str | None = None,
 ) -> Path:
     """Writes config.json, safetensors shards (with an index when more than one), generation config and tokenizer.
 
@@ -36,7 +38,9 @@ def export_pretrained(
     failure never leaves a half-written model. Multi-host: every process calls it
     (the weights are gathered from all of them) and process 0 alone writes.
     With `gguf_dir`, GGUF files of `gguf_types` and an Ollama Modelfile are written there
-    first (`chat_template`: the one the model was tuned with; default the tokenizer's).
+    first (`chat_template`: the one the model was tuned with; default the tokenizer's). `dtype`: the folder's
+    weights cast to it (float32 masters shipped in bf16); default as trained. GGUF is written from the weights
+    as trained.
     """
     if hf_config is None:
         family, hf_config = origin_of(model)
@@ -48,7 +52,8 @@ def export_pretrained(
     def write():
         if gguf_dir is not None:
             write_gguf(state, hf_config, tokenizer, gguf_dir, gguf_types, chat_template=chat_template)
-        _write(state, out_dir, tokenizer, hf_config, max_shard_size)
+        shipped = state if dtype is None else {k: np.asarray(v).astype(jnp.dtype(dtype)) for k, v in state.items()}
+        _write(shipped, out_dir, tokenizer, hf_config, max_shard_size)
 
     on_main_process("export", write)
     return Path(out_dir)

@@ -79,11 +79,13 @@ def _is_uri(path: str) -> bool:
     return "://" in os.fspath(path)
 
 
-def checkpoint_parts(arch: Architecture, setup: TrainSetup, optimizer: str, steps: int | None) -> dict:
-    """Bytes of one Orbax checkpoint of a stage: its trained weights (gradient-sized: the adapters in a
-    LoRA run), its optimizer state (AdamW's two moments in the weights' dtype, optax.MultiSteps' accumulator
-    with gradient accumulation) and the data position / history files beside it."""
-    whole = estimate_memory(arch, setup.replace(data=1, fsdp=1, tp=1, optimizer=optimizer))
+def checkpoint_parts(arch: Architecture, setup: TrainSetup, section, steps: int | None) -> dict:
+    """Bytes of one Orbax checkpoint of a stage (`section`: its optimizer settings): its trained weights
+    (gradient-sized: the adapters in a LoRA run), its optimizer state (AdamW's two moments in the weights'
+    dtype or the first in `mu_dtype`, optax.MultiSteps' accumulator with gradient accumulation) and the data
+    position / history files beside it."""
+    whole = estimate_memory(arch, setup.replace(data=1, fsdp=1, tp=1, optimizer=section.optimizer,
+                                                mu_dtype=section.mu_dtype))
     return {"weights": whole.grads, "optimizer": whole.optimizer,
             "history": CHECKPOINT_OVERHEAD + HISTORY_PER_STEP * (steps or 0)}
 
@@ -102,7 +104,7 @@ def stage_outputs(name: str, arch: Architecture, setup: TrainSetup, section, ste
     (`final_weights.keep_for_next_session`: weights and histories, no optimizer state)."""
     if name != "sft":  # the polish stages take no gradient accumulation
         setup = setup.replace(grad_accum=1)
-    parts = checkpoint_parts(arch, setup, section.optimizer, steps)
+    parts = checkpoint_parts(arch, setup, section, steps)
     count = kept(steps, section.checkpoint_every, section.keep_checkpoints, getattr(section, "dev_eval", None))
     where = location(section.checkpoint_dir, root)
     out = [Output(f"{name} checkpoints", section.checkpoint_dir, sum(parts.values()), count, parts, where)]
@@ -114,10 +116,12 @@ def stage_outputs(name: str, arch: Architecture, setup: TrainSetup, section, ste
 
 
 def export_outputs(arch: Architecture, setup: TrainSetup, export, tracking, root: str) -> list[Output]:
-    """The exported folder (the weights in model.dtype, LoRA merged), its GGUF files, MLflow's registered copy."""
-    weights = arch.params * setup.p_bytes
+    """The exported folder (the weights in export.dtype, else model.dtype, LoRA merged), its GGUF files, MLflow's
+    registered copy."""
+    dtype = export.dtype or setup.param_dtype
+    weights = arch.params * BYTES[dtype]
     tokenizer = arch.vocab_size * TOKENIZER_PER_WORD
-    hf = Output(f"export (HF safetensors, {setup.param_dtype})", export.output_dir, weights + tokenizer,
+    hf = Output(f"export (HF safetensors, {dtype})", export.output_dir, weights + tokenizer,
                 parts={"weights": weights, "tokenizer": tokenizer}, where=location(export.output_dir, root))
     out = [hf]
     if "gguf" in export.formats:

@@ -27,6 +27,7 @@ whole copy of the weights with full fine-tuning, only the adapters with LoRA.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from tunix_pipeline.config import GrpoParams, PlanParams
@@ -57,7 +58,8 @@ def update_setup(row: Row, grpo: GrpoParams) -> TrainSetup:
     return row.setup.replace(per_device_batch=sequences_per_device(grpo, row.setup, grpo.micro_batch_size),
                              seq_len=grpo.max_prompt_length + grpo.max_completion_length,
                              grad_accum=micro_batches(grpo), loss_chunk=None,
-                             logit_positions=grpo.max_completion_length + 2)
+                             logit_positions=grpo.max_completion_length + 2, optimizer=grpo.optimizer,
+                             mu_dtype=grpo.mu_dtype)
 
 
 def rollout_setup(row: Row, grpo: GrpoParams) -> TrainSetup:
@@ -171,6 +173,14 @@ def _timed(out: dict, step: float, grpo: GrpoParams, row: Row, params: PlanParam
         within_session=out["session_hours"] is None or hours <= out["session_hours"],
         cost=hours * hw.cost_per_hour if hw.cost_per_hour is not None else None,
     )
+
+
+def loaded_in(plan: Plan, dtype: str) -> Plan:
+    """`plan` as GRPO sees it: the model loaded in `dtype` (its session's model.dtype) and computing in it (GRPO
+    takes no sft.compute_dtype), on every profile; the warnings a copy, for `add_grpo` to extend."""
+    rows = [dataclasses.replace(r, setup=r.setup.replace(param_dtype=dtype, compute_dtype=None)) for r in plan.rows]
+    selected = rows[plan.rows.index(plan.selected)]
+    return dataclasses.replace(plan, rows=rows, selected=selected, warnings=list(plan.warnings))
 
 
 def add_grpo(plan: Plan, grpo: GrpoParams, params: PlanParams, session_hours: float | None = None,

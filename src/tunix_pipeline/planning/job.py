@@ -27,6 +27,7 @@ class Job:
     lora_rank: int
     lora_targets: tuple[str, ...]
     optimizer: str
+    mu_dtype: str | None
     remat: str
     loss_chunk: int | None
     tp: int  # tensor-parallel size asked for (1: data/fsdp only)
@@ -80,6 +81,7 @@ def make_job(arch: Architecture, model: ModelParams, sft: SftParams, runtime: Ru
         lora_rank=model.lora.rank if model.lora else 16,
         lora_targets=lora_targets(model.lora.target_modules) if model.lora else (),
         optimizer=sft.optimizer,
+        mu_dtype=sft.mu_dtype,
         remat=sft.remat,
         loss_chunk=sft.loss_chunk_size,
         tp=tp,
@@ -119,6 +121,7 @@ def setup_on(job: Job, hw: HardwareProfile, per_device_batch: int | None = None)
         lora_rank=job.lora_rank,
         lora_targets=job.lora_targets or TrainSetup.lora_targets,
         optimizer=job.optimizer,
+        mu_dtype=job.mu_dtype,
         grad_accum=accum,
         remat=job.remat,
         loss_chunk=job.loss_chunk,

@@ -83,6 +83,7 @@ class TrainSetup:
     lora_rank: int = 16
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
     optimizer: str = "adamw"  # adamw | adafactor
+    mu_dtype: str | None = None  # AdamW's first moment (optim's mu_dtype); None: the weights' dtype
     grad_accum: int = 1
     remat: str = "none"  # none | attention | decoder (Tunix's RematConfig BLOCK / DECODER)
     loss_chunk: int | None = DEFAULT_LOSS_CHUNK  # sft.loss_chunk_size; None: the whole logits (GRPO's update)
@@ -153,7 +154,7 @@ def estimate_memory(arch: Architecture, setup: TrainSetup) -> MemoryEstimate:
         params += weights_dev * c  # the weights cast to the compute dtype
     grads = trainable_dev * p
     if s.optimizer == "adamw":
-        optimizer = 2 * trainable_dev * p
+        optimizer = trainable_dev * (p + (BYTES[s.mu_dtype] if s.mu_dtype else p))
     else:
         optimizer = _adafactor_state(arch, s) if s.mode == "full" else 0.1 * trainable_dev * 4
     if s.grad_accum > 1:

@@ -32,7 +32,7 @@ def stage_setup(row: Row, pref: PreferenceParams):
     """The policy's train step on this profile: chosen and rejected rows of prompt + answer tokens."""
     seq = pref.max_prompt_length + pref.max_response_length
     return row.setup.replace(per_device_batch=2 * pref.per_device_batch_size, seq_len=seq, grad_accum=1,
-                             loss_chunk=DEFAULT_LOSS_CHUNK)
+                             loss_chunk=DEFAULT_LOSS_CHUNK, optimizer=pref.optimizer, mu_dtype=pref.mu_dtype)
 
 
 def check_against_xla(plan: Plan, model, max_layers: int | None, timeout: float) -> dict:

@@ -60,6 +60,7 @@ def sft_params(setup: TrainSetup):
         per_device_batch_size=setup.per_device_batch,
         gradient_accumulation_steps=setup.grad_accum,
         optimizer=setup.optimizer,
+        mu_dtype=setup.mu_dtype,
         learning_rate=1e-4,
         compute_dtype=setup.compute_dtype if setup.compute_dtype != setup.param_dtype else None,
         remat=setup.remat,

@@ -64,6 +64,7 @@ def export_model(
             gguf_dir=gguf_dir,
             gguf_types=params.gguf_types,
             chat_template=tuned_chat_template(tokenizer, format_params.chat_template) if gguf else None,
+            dtype=params.dtype,
         )
     result = {
         "path": str(storage_path(params.output_dir)), "stage": stage, "checkpoint_step": step,

@@ -8,7 +8,7 @@ from tunix_pipeline.config import (
 )
 from tunix_pipeline.planning import DoesNotFit, build_plan, grpo_xla, markdown, refusal, with_xla_check
 from tunix_pipeline.planning.disk import add_disk, disk_sessions, plan_disk
-from tunix_pipeline.planning.grpo import add_grpo
+from tunix_pipeline.planning.grpo import add_grpo, loaded_in
 from tunix_pipeline.planning.preference import add_preference
 from tunix_pipeline.planning.preference import check_against_xla as check_preference_against_xla
 
@@ -33,10 +33,13 @@ def plan_training(
             result, model, plan.xla_check.max_layers, plan.xla_check.timeout_seconds
         )
     grpo, grpo_hours = _planned_stage("grpo", grpo, sessions)
+    grpo_model = model if as_configured.enabled else _session_model("grpo", model, sessions)
+    policy = loaded_in(result, grpo_model.dtype)
     compiled = None
     if plan.xla_check.enabled and plan.xla_check.grpo and grpo.enabled:  # XLA:TPU only: None unless libtpu or a TPU is at hand
-        compiled = grpo_xla.check(result, model, grpo, plan.xla_check.max_layers, plan, runtime.decode_weights)
-    result = add_grpo(result, grpo, plan, grpo_hours, compiled)
+        compiled = grpo_xla.check(policy, grpo_model, grpo, plan.xla_check.max_layers, plan, runtime.decode_weights)
+    policy = add_grpo(policy, grpo, plan, grpo_hours, compiled)
+    result.grpo, result.warnings, result.status = policy.grpo, policy.warnings, policy.status
     if export is not None:
         result = add_disk(result, plan_disk(
             result.job.arch, result.selected.setup, result.selected.hw,
@@ -67,6 +70,18 @@ def _planned_stage(section: str, params, sessions: dict):
             merged = OmegaConf.to_container(OmegaConf.merge(params.model_dump(), changes))
             return type(params).model_validate(merged), session["hours"]
     return params, None
+
+
+def _session_model(section: str, model: ModelParams, sessions: dict) -> ModelParams:
+    """The model as the first session of `sessions.plan` that turns `section` on loads it (its `model` changes)."""
+    from omegaconf import OmegaConf
+
+    for session in (sessions or {}).get("plan") or []:
+        params = session.get("params") or {}
+        if (params.get(section) or {}).get("enabled"):
+            return ModelParams.model_validate(OmegaConf.to_container(OmegaConf.merge(model.model_dump(),
+                                                                                     params.get("model") or {})))
+    return model
 
 
 def check_sft_fits(
