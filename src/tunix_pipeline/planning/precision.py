@@ -29,8 +29,8 @@ SAMPLE_BLOCKS = 16  # contiguous blocks read from each tensor of a folder (a pag
 SAMPLE_BLOCK = 65536
 
 FIX = ("float32 master weights with bf16 compute (model.dtype: float32, sft.compute_dtype: bfloat16), with a "
-       "smaller optimizer state (sft.mu_dtype: bfloat16, or sft.optimizer: adafactor) if they do not fit otherwise; or LoRA (model.lora) "
-       "with float32 adapters; or an optimizer with stochastic rounding")
+       "smaller optimizer state (sft.mu_dtype: bfloat16, or sft.optimizer: adafactor) if they do not fit "
+       "otherwise; or LoRA (model.lora) with float32 adapters; or an optimizer with stochastic rounding")
 
 
 @dataclasses.dataclass(frozen=True)
