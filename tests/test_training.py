@@ -212,6 +212,23 @@ def test_mu_dtype_keeps_adams_first_moment_in_bf16_and_its_second_in_the_weights
         _sft(tmp_path, mu_dtype="bfloat16", optimizer="adafactor")
 
 
+def test_float32_weights_restore_into_a_bf16_model(tiny_model_dir, tmp_path):
+    """A session that loads the model in bf16 (tpu_full's GRPO) starts from its parent's float32 checkpoint: Orbax
+    casts to the model's dtype on restore."""
+    from tunix.sft.checkpoint_manager import CheckpointManager
+
+    masters, _ = load_model(tiny_model_dir, None, dtype="float32")
+    nnx.update(masters, jax.tree.map(lambda w: w + 1e-3, nnx.state(masters)))
+    manager = CheckpointManager(str(tmp_path / "ckpt"))
+    manager.save(1, masters, force=True)
+    manager.close()
+    model, _ = load_model(tiny_model_dir, None, dtype="bfloat16")
+    assert restore_latest(model, tmp_path / "ckpt") == 1
+    for restored, saved in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(masters))):
+        assert restored.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(restored, saved.astype(jnp.bfloat16))
+
+
 @pytest.mark.parametrize("lora, remat", [(True, "none"), (False, "decoder")])
 def test_logged_mfu_is_the_plans_mfu_without_a_hand_set_peak(tiny_model_dir, token_rows, tmp_path, lora, remat):
     """`train/mfu` = the plan's FLOPs of a step (LoRA: 2 passes, remat: one more) / step time / the profile's peak;
