@@ -22,8 +22,11 @@ $(VENV)/.installed-test: $(VENV)/.installed
 smoke: $(VENV)/.installed
 	$(BIN)/kedro run --pipelines=smoke
 
+# two workers, a test file each at a time (its module fixtures built once): most of a test is one core's work
+# (XLA compiling, Python), and CI has two cores and 24 GiB
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # throughput benchmarks (torch from the test extra is the PyTorch baseline); writes benchmarks/results/latest.json
 bench: $(VENV)/.installed-test

@@ -271,7 +271,7 @@ def test_a_session_on_scratch_checkpoints_hands_the_next_one_its_saved_weights(p
         "sft": {"max_steps": 8, "warmup_steps": 1, "checkpoint_every": 4, "keep_checkpoints": 2,
                 "checkpoint_dir": str(scratch / "sft")},
         "plan": {"xla_check": {"enabled": False}}, "preference": {"enabled": False}, "grpo": {"enabled": False},
-        "sessions": {"plan": [{"name": "s1", "hours": 1}, {"name": "s2", "hours": 1, "params": {"sft": {"max_steps": 4}}}]},
+        "sessions": {"plan": [{"name": "s1", "hours": 6}, {"name": "s2", "hours": 6, "params": {"sft": {"max_steps": 4}}}]},
     }))))
     bootstrap_project(project)
     models = project / "data" / "06_models"
