@@ -287,6 +287,8 @@ def test_tpu_full_against_seed_000(plans):
     # float32 masters: a step at 2e-5 and at the cosine's end can change every weight (bf16 weights: ~19% and ~1%)
     assert summary["update_precision"]["share_changed"]["end"] > 0.99
     assert not any("updates round away" in w for w in summary["warnings"])
+    # GRPO's session loads the model in bf16: its reference is a bf16 copy (0.58 GiB a chip; float32: 1.17)
+    assert summary["grpo"]["selected"]["reference_gib"] == pytest.approx(0.584, abs=0.005)
 
 
 @pytest.mark.parametrize("env", KAGGLE)

@@ -32,8 +32,8 @@ def plan_training(
         result.preference["xla_check"] = check_preference_against_xla(
             result, model, plan.xla_check.max_layers, plan.xla_check.timeout_seconds
         )
-    grpo, grpo_hours = _planned_stage("grpo", grpo, sessions)
-    grpo_model = model if as_configured.enabled else _session_model("grpo", model, sessions)
+    grpo, grpo_hours, grpo_session = _planned_stage("grpo", grpo, sessions)
+    grpo_model = _merged(model, grpo_session.get("model"))  # GRPO loads the model as its session does
     policy = loaded_in(result, grpo_model.dtype)
     compiled = None
     if plan.xla_check.enabled and plan.xla_check.grpo and grpo.enabled:  # XLA:TPU only: None unless libtpu or a TPU is at hand
@@ -53,35 +53,29 @@ def plan_training(
 
 def _planned_preference(preference: PreferenceParams, sessions: dict) -> PreferenceParams:
     """The preference stage as this run has it, or as the first session of the plan that turns it on."""
-    planned, hours = _planned_stage("preference", preference, sessions)
+    planned, hours, _ = _planned_stage("preference", preference, sessions)
     return planned.model_copy(update={"time_budget_hours": hours}) if hours else planned
 
 
 def _planned_stage(section: str, params, sessions: dict):
     """(the stage's parameters as this run has them, or as the first session of `sessions.plan` that turns it on;
-    that session's hours, or None)."""
-    from omegaconf import OmegaConf
-
+    that session's hours, or None; that session's parameter changes, or {})."""
     if params.enabled:
-        return params, None
+        return params, None, {}
     for session in (sessions or {}).get("plan") or []:
-        changes = (session.get("params") or {}).get(section) or {}
-        if changes.get("enabled"):
-            merged = OmegaConf.to_container(OmegaConf.merge(params.model_dump(), changes))
-            return type(params).model_validate(merged), session["hours"]
-    return params, None
+        changes = session.get("params") or {}
+        if (changes.get(section) or {}).get("enabled"):
+            return _merged(params, changes[section]), session["hours"], changes
+    return params, None, {}
 
 
-def _session_model(section: str, model: ModelParams, sessions: dict) -> ModelParams:
-    """The model as the first session of `sessions.plan` that turns `section` on loads it (its `model` changes)."""
+def _merged(params, changes: dict | None):
+    """`params` (a section's model) with a session's `changes` to it."""
     from omegaconf import OmegaConf
 
-    for session in (sessions or {}).get("plan") or []:
-        params = session.get("params") or {}
-        if (params.get(section) or {}).get("enabled"):
-            return ModelParams.model_validate(OmegaConf.to_container(OmegaConf.merge(model.model_dump(),
-                                                                                     params.get("model") or {})))
-    return model
+    if not changes:
+        return params
+    return type(params).model_validate(OmegaConf.to_container(OmegaConf.merge(params.model_dump(), changes)))
 
 
 def check_sft_fits(
