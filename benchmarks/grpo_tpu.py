@@ -1,6 +1,6 @@
 """GRPO's two programs against the estimate, compiled by XLA:TPU on this CPU (libtpu, no TPU): JSON lines.
 
-    python benchmarks/grpo_tpu.py                           # both Kaggle recipes, as `plan` compiles them
+    python benchmarks/grpo_tpu.py                           # tpu_full and both Kaggle recipes, as `plan` compiles them
     python benchmarks/grpo_tpu.py --layers 2,3,4            # each at these depths: the data to refit the estimate
 
 For each recipe (its GRPO session's parameters, its v5e 2x4 topology and mesh) and phase (one decode step
@@ -30,7 +30,7 @@ from tunix_pipeline.planning.grpo import rollout_setup, update_setup  # noqa: E4
 from tunix_pipeline.planning.memory import GIB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = ("kaggle_gemma3_1b_v5e8", "kaggle_gemma2_2b_v5e8")
+RECIPES = ("tpu_full", "kaggle_gemma3_1b_v5e8", "kaggle_gemma2_2b_v5e8")
 
 
 def recipe_plan(env: str, layers: int | None = None):
@@ -46,10 +46,14 @@ def recipe_plan(env: str, layers: int | None = None):
         profiles[name] = {**profiles[name], **changes}
     plan = PlanParams(**{**base, "hardware": recipe["plan"]["hardware"], "profiles": profiles,
                          "architectures": {source: hf}, "train_rows": recipe["plan"].get("train_rows")})
-    lora = LoraParams(**recipe["model"]["lora"]) if "lora" in recipe["model"] else None
-    model = ModelParams(source=source, dtype=recipe["model"]["dtype"], lora=lora)
+    # the model as the GRPO session loads it: tpu_full's third session loads its float32 weights in bf16
+    session = next((s["params"] for s in (recipe.get("sessions") or {}).get("plan", [])
+                    if ((s.get("params") or {}).get("grpo") or {}).get("enabled")), {})
+    section = {**recipe["model"], **session.get("model", {})}
+    lora = LoraParams(**section["lora"]) if "lora" in section else None
+    model = ModelParams(source=source, dtype=section.get("dtype", ModelParams.model_fields["dtype"].default), lora=lora)
     grpo = GrpoParams(**{**yaml.safe_load((ROOT / "conf/base/parameters_grpo.yml").read_text())["grpo"],
-                         **recipe["grpo"], "enabled": True})
+                         **recipe["grpo"], **session.get("grpo", {}), "enabled": True})
     sft = SftParams(**recipe["sft"])
     runtime = RuntimeParams(**recipe.get("runtime", {}))
     return build_plan(model, sft, runtime, TokenizeParams(**recipe["tokenize"]), plan), model, grpo, runtime

@@ -206,16 +206,22 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
     per_head = (qkvo * a + rope + arch.num_heads * length * score) * padded
     one_layer = tokens * ((3 * f + 4 * d) * a + per_head) / tp
     # with fsdp, the backward's matmuls reuse the forward's all-gather of a layer's weights (remat
-    # too: the gather moves ahead of the barrier that guards the recomputation), so every layer
-    # keeps its weights gathered until its backward
+    # too: the gather moves ahead of the barrier that guards the recomputation), so in SFT's step every
+    # layer keeps its weights gathered until its backward. GRPO's full-weight update (Tunix's policy loss,
+    # the whole logits) gathers them again there, and XLA:TPU keeps two layers' in flight (Gemma-2B, 18
+    # layers); under LoRA its updates keep more than this estimate counts either way (Gemma-3-1B: 6.4 GiB
+    # against 3.6 with two layers' and 4.8 with every layer's: benchmarks/RESULTS.md, section 17), so there
+    # the estimate keeps every layer's, the larger
     gathered = 0.0
     if s.fsdp > 1:
         gathered = arch.layer_matrix_params / tp * (c if s.mode == "full" else frozen_bytes)
+    regathered = s.loss_chunk is None and s.mode == "full"
+    per_layer_gathered, in_flight = (0.0, 2 * gathered) if regathered else (gathered, 0.0)
     if s.remat == "none":
-        activations = arch.num_layers * (one_layer + gathered)
+        activations = arch.num_layers * (one_layer + per_layer_gathered) + in_flight
     else:  # each block's input only; a layer's backward recomputes its activations after the loss
         kept = (4 if s.remat == "attention" else 1) * tokens * d / tp * a
-        activations = arch.num_layers * (kept + gathered)
+        activations = arch.num_layers * (kept + per_layer_gathered) + in_flight
 
     # the loss: the output head (all-gathered with fsdp; its gradient is whole until reduce-scattered)
     # and batch x length x vocabulary logits (XLA:TPU does not split them over tp)
@@ -224,14 +230,11 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
     gradient_head = head if s.fsdp > 1 and s.mode == "full" else 0.0
     logits = s.per_device_batch * (s.logit_positions or length) * arch.vocab_size * a
     if not s.loss_chunk:
-        # XLA:TPU's buffer assignment (Gemma-2B, one layer, 1 x 512 to 4 x 1024 tokens a chip) holds the
-        # float32 logits (the upcast; the log-sum-exp's exponentials reuse it) and either the head's whole
-        # gradient beside one copy of the logits (small logits: 1 x 512) or, the head's gradient coming
-        # after them, two copies (the logits and their gradient: 4 x 1024); the estimate takes the larger.
-        # The head's gradient, reduce-scattered to its shard, then stays until the update
-        f32 = logits / a * 4
-        shard = gradient_head / (s.fsdp * tp)
-        loss = head + f32 + max(gradient_head + logits, 2 * logits) + shard
+        # GRPO's update: Tunix's policy loss over the logits of the kept positions (`upstream.completion_logits_only`).
+        # XLA:TPU's buffer assignment (Gemma-2B, 18 layers, 1 x 768 tokens a chip, 514 kept) holds the gathered
+        # head, its whole gradient, three copies of the logits in the compute dtype (the logits, the completion's
+        # slice, its gradient; the float32 log-softmax is fused away) and the gradient's reduce-scattered shard
+        loss = head + gradient_head + 3 * logits + gradient_head / (s.fsdp * tp)
     else:
         # `loss.target_logps`: the output layer a chunk of positions at a time, recomputed in the backward
         # pass; the gathered head, its gradient (and that gradient's shard) and part of one chunk's logits
