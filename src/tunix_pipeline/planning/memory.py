@@ -31,10 +31,11 @@ from tunix_pipeline.planning.architecture import Architecture
 
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2}
-# what XLA:TPU keeps of one chunk's float32 (batch, chunk, vocabulary) logits at the loss's peak, in copies: it
-# fuses the softmax and its gradient into the matmuls (Gemma-2B, one layer, batch 1-4 x 512-1024 a chip:
-# benchmarks/RESULTS.md, section 14)
-LOSS_CHUNK_COPIES = 0.5
+# what XLA:TPU keeps of one chunk's float32 (batch, chunk, vocabulary) logits at the loss's peak, in copies: with
+# a trained head it fuses the softmax and its gradient into the matmuls (Gemma-2B, one layer, batch 1-4 x
+# 512-1024 a chip: benchmarks/RESULTS.md, section 14); a frozen head's forward pass takes the rows' gradients
+# from the logits it has, and keeps them in float32 and in bf16 (Gemma-3-1B under LoRA: section 17)
+LOSS_CHUNK_COPIES = {"trained head": 0.5, "frozen head": 1.5}
 # bytes per weight of a frozen nf4 base: 4 bits and a float32 scale per block of 64
 NF4_BYTES = 0.5 + 4 / 64
 
@@ -205,18 +206,16 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
     score = a + (4 if arch.float32_softmax and a < 4 else 0)
     per_head = (qkvo * a + rope + arch.num_heads * length * score) * padded
     one_layer = tokens * ((3 * f + 4 * d) * a + per_head) / tp
-    # with fsdp, the backward's matmuls reuse the forward's all-gather of a layer's weights (remat
-    # too: the gather moves ahead of the barrier that guards the recomputation), so in SFT's step every
-    # layer keeps its weights gathered until its backward. GRPO's full-weight update (Tunix's policy loss,
-    # the whole logits) gathers them again there, and XLA:TPU keeps two layers' in flight (Gemma-2B, 18
-    # layers); under LoRA its updates keep more than this estimate counts either way (Gemma-3-1B: 6.4 GiB
-    # against 3.6 with two layers' and 4.8 with every layer's: benchmarks/RESULTS.md, section 17), so there
-    # the estimate keeps every layer's, the larger
+    # with fsdp, the backward's matmuls of SFT's full-weight step reuse the forward's all-gather of a
+    # layer's weights (remat too: the gather moves ahead of the barrier that guards the recomputation), so
+    # every layer keeps its weights gathered until its backward. GRPO's update (Tunix's policy loss, the
+    # whole logits) and every LoRA step gather them again there: XLA:TPU keeps two layers' in flight
+    # (Gemma-2B's GRPO update, 18 layers; Gemma-3-1B's LoRA SFT, 2 to 26 layers: benchmarks/RESULTS.md, §17)
     gathered = 0.0
     if s.fsdp > 1:
         gathered = arch.layer_matrix_params / tp * (c if s.mode == "full" else frozen_bytes)
-    regathered = s.loss_chunk is None and s.mode == "full"
-    per_layer_gathered, in_flight = (0.0, 2 * gathered) if regathered else (gathered, 0.0)
+    kept_until_backward = s.mode == "full" and s.loss_chunk is not None
+    per_layer_gathered, in_flight = (gathered, 0.0) if kept_until_backward else (0.0, 2 * gathered)
     if s.remat == "none":
         activations = arch.num_layers * (one_layer + per_layer_gathered) + in_flight
     else:  # each block's input only; a layer's backward recomputes its activations after the loss
@@ -228,18 +227,22 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
     head = arch.vocab_size * d * c
     # the head's weight gradient: none for a frozen head (LoRA), the sharded gradient itself with fsdp 1
     gradient_head = head if s.fsdp > 1 and s.mode == "full" else 0.0
+    # head-sized shards: a trained head's reduce-scattered gradient, kept until the update; a frozen one's two
+    # copies of its own shard (Gemma-2-2B's and Gemma-3-1B's LoRA steps, laid out anew for the all-gather)
+    shards = (gradient_head if s.mode == "full" else 2 * head * (s.fsdp > 1)) / (s.fsdp * tp)
     logits = s.per_device_batch * (s.logit_positions or length) * arch.vocab_size * a
     if not s.loss_chunk:
         # GRPO's update: Tunix's policy loss over the logits of the kept positions (`upstream.completion_logits_only`).
         # XLA:TPU's buffer assignment (Gemma-2B, 18 layers, 1 x 768 tokens a chip, 514 kept) holds the gathered
         # head, its whole gradient, three copies of the logits in the compute dtype (the logits, the completion's
         # slice, its gradient; the float32 log-softmax is fused away) and the gradient's reduce-scattered shard
-        loss = head + gradient_head + 3 * logits + gradient_head / (s.fsdp * tp)
+        loss = head + gradient_head + 3 * logits + shards
     else:
         # `loss.target_logps`: the output layer a chunk of positions at a time, recomputed in the backward
-        # pass; the gathered head, its gradient (and that gradient's shard) and part of one chunk's logits
+        # pass; the gathered head, its gradient and one chunk's logits
         chunk = s.per_device_batch * min(s.loss_chunk, length) * arch.vocab_size * 4
-        loss = head + gradient_head + LOSS_CHUNK_COPIES * chunk + gradient_head / (s.fsdp * tp)
+        copies = LOSS_CHUNK_COPIES["trained head" if s.mode == "full" else "frozen head"]
+        loss = head + gradient_head + copies * chunk + shards
     return activations, loss, one_layer
 
 
