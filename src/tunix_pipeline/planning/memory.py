@@ -227,9 +227,12 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
     head = arch.vocab_size * d * c
     # the head's weight gradient: none for a frozen head (LoRA), the sharded gradient itself with fsdp 1
     gradient_head = head if s.fsdp > 1 and s.mode == "full" else 0.0
-    # head-sized shards: a trained head's reduce-scattered gradient, kept until the update; a frozen one's two
+    # the head's shards: a trained head's reduce-scattered gradient, kept until the update; a frozen one's two
     # copies of its own shard (Gemma-2-2B's and Gemma-3-1B's LoRA steps, laid out anew for the all-gather)
-    shards = (gradient_head if s.mode == "full" else 2 * head * (s.fsdp > 1)) / (s.fsdp * tp)
+    if s.mode == "full":
+        shards = gradient_head / (s.fsdp * tp)
+    else:
+        shards = 2 * head / (s.fsdp * tp) if s.fsdp > 1 else 0.0
     logits = s.per_device_batch * (s.logit_positions or length) * arch.vocab_size * a
     if not s.loss_chunk:
         # GRPO's update: Tunix's policy loss over the logits of the kept positions (`upstream.completion_logits_only`).

@@ -336,7 +336,7 @@ def completion_logits_only():
 
 # ---------------------------------------------------------------- Tunix's models drop their sharding constraints on a CPU host
 # where each family finds its `shard`: Gemma, Llama and Qwen define their own; Gemma 3 calls `sharding_utils.shard`
-# (without it the plan compiled Gemma 3's layers with the batch gathered on every chip: 4.1 GiB at 2 layers for 1.3)
+# (without it the plan compiled Gemma 3's layers with the batch gathered on every chip: 4.1 GiB at 2 layers for 1.7)
 SHARD_MODULES = (
     "tunix.models.gemma.model",
     "tunix.utils.sharding_utils",
