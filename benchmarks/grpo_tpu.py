@@ -64,6 +64,9 @@ def main() -> None:
     parser.add_argument("--layers", default="", help="comma-separated depths to compile at (default: as the plan does)")
     parser.add_argument("--recipes", default=",".join(RECIPES))
     args = parser.parse_args()
+    unknown = [env for env in args.recipes.split(",") if not (ROOT / "conf" / env / "parameters.yml").exists()]
+    if unknown:
+        parser.error(f"--recipes: no conf/<env>/parameters.yml for {', '.join(unknown)}")
     for env in args.recipes.split(","):
         if not args.layers:
             plan, model, grpo, runtime = recipe_plan(env)

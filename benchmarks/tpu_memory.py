@@ -70,7 +70,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1, help="the grid's depth (compiled whole, no extrapolation)")
     parser.add_argument("--only", help="one recipe's step (with --recipes)")
     args = parser.parse_args()
-    for name, arch, setup, topology, hosts, lora in cases(args.recipes, args.layers):
+    steps = list(cases(args.recipes, args.layers))
+    if args.only and args.only not in {name for name, *_ in steps}:
+        parser.error(f"--only {args.only}: not one of the recipes' steps ({', '.join(name for name, *_ in steps)})")
+    for name, arch, setup, topology, hosts, lora in steps:
         if args.only and name != args.only:
             continue
         started = time.perf_counter()

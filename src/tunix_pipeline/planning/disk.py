@@ -278,8 +278,6 @@ def disk_sessions(model: ModelParams, sft: SftParams, preference: PreferencePara
                   sft_steps: int | None) -> list[tuple[str, ModelParams, list]]:
     """(name, model, [(stage, its section, its steps or None)]) of every session of `sessions.plan` (each with its
     own parameters over this run's), or of this run alone: what `planning.disk` counts the bytes of."""
-    from omegaconf import OmegaConf
-
     plan_sessions = (sessions or {}).get("plan") or []
     current = ((sessions or {}).get("current") or {}).get("name")
 
@@ -287,15 +285,11 @@ def disk_sessions(model: ModelParams, sft: SftParams, preference: PreferencePara
         folder = section.checkpoint_dir.removesuffix(f"/{current}") if current else section.checkpoint_dir
         return section.model_copy(update={"checkpoint_dir": f"{folder}/{name}" if name else folder})
 
-    def merged(params, changes, extra=None):
-        if not changes:
-            return params
-        data = OmegaConf.to_container(OmegaConf.merge(params.model_dump(), changes, extra or {}))
-        return type(params).model_validate(data)
-
     def stages(name, changes, index):
-        this_sft = merged(sft, changes.get("sft"), {"init_from": sft.init_from or "previous session"} if index else None)
-        this_pref, this_grpo = merged(preference, changes.get("preference")), merged(grpo, changes.get("grpo"))
+        sft_changes = changes.get("sft")
+        this_sft = sft.changed(sft_changes, {"init_from": sft.init_from or "previous session"} if index else None
+                               ) if sft_changes else sft
+        this_pref, this_grpo = preference.changed(changes.get("preference")), grpo.changed(changes.get("grpo"))
         touched = {"max_steps", "epochs"} & set(changes.get("sft") or {})
         steps = sft_steps if not touched else this_sft.max_steps
         out = [("sft", own_folder(this_sft, name), steps)] if steps != 0 else []
@@ -303,7 +297,7 @@ def disk_sessions(model: ModelParams, sft: SftParams, preference: PreferencePara
             out.append(("preference", own_folder(this_pref, name), this_pref.max_steps))
         if this_grpo.enabled:
             out.append(("grpo", own_folder(this_grpo, name), this_grpo.max_steps))
-        return merged(model, changes.get("model")), out
+        return model.changed(changes.get("model")), out
 
     if not plan_sessions:
         return [("this run", *stages(None, {}, 0))]

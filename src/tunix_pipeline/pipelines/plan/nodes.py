@@ -33,7 +33,7 @@ def plan_training(
             result, model, plan.xla_check.max_layers, plan.xla_check.timeout_seconds
         )
     grpo, grpo_hours, grpo_session = _planned_stage("grpo", grpo, sessions)
-    grpo_model = _merged(model, grpo_session.get("model"))  # GRPO loads the model as its session does
+    grpo_model = model.changed(grpo_session.get("model"))  # GRPO loads the model as its session does
     policy = loaded_in(result, grpo_model.dtype)
     compiled = None
     if plan.xla_check.enabled and plan.xla_check.grpo and grpo.enabled:  # XLA:TPU only: None unless libtpu or a TPU is at hand
@@ -65,17 +65,8 @@ def _planned_stage(section: str, params, sessions: dict):
     for session in (sessions or {}).get("plan") or []:
         changes = session.get("params") or {}
         if (changes.get(section) or {}).get("enabled"):
-            return _merged(params, changes[section]), session["hours"], changes
+            return params.changed(changes[section]), session["hours"], changes
     return params, None, {}
-
-
-def _merged(params, changes: dict | None):
-    """`params` (a section's model) with a session's `changes` to it."""
-    from omegaconf import OmegaConf
-
-    if not changes:
-        return params
-    return type(params).model_validate(OmegaConf.to_container(OmegaConf.merge(params.model_dump(), changes)))
 
 
 def check_sft_fits(
