@@ -54,9 +54,9 @@ def sft_params(steps: int, compute_dtype: str | None):
 def token_rows(tokenizer, count: int, seq: int):
     """The recipe's first GSM8K train rows that fit, one example a row of `seq` tokens (completions truncated)."""
     from tunix_pipeline.config import FormatParams, IngestParams, TokenizeParams
-    from tunix_pipeline.formatting import format_records
-    from tunix_pipeline.ingest import ingest
-    from tunix_pipeline.tokenization import tokenize_split
+    from tunix_pipeline.data.formatting import format_records
+    from tunix_pipeline.data.ingest import ingest
+    from tunix_pipeline.data.tokenization import tokenize_split
 
     conf = recipe()
     sources = [{**s, "path": str(common.ROOT / s["path"])} for s in conf["ingest"]["sources"]]
@@ -76,12 +76,12 @@ def worker(name: str, model_dir: str, steps: int, batch: int, seq: int) -> dict:
     from flax import nnx
 
     from tunix_pipeline.config import RuntimeParams
-    from tunix_pipeline.loss import loss_fn_for, model_inputs
+    from tunix_pipeline.data.tokenization import TOKEN_COLUMNS
     from tunix_pipeline.models import load_tokenizer
     from tunix_pipeline.models.loading import load_model
-    from tunix_pipeline.optim import learning_rate_schedule, make_optimizer
-    from tunix_pipeline.runtime import make_mesh
-    from tunix_pipeline.tokenization import TOKEN_COLUMNS
+    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.train.loss import loss_fn_for, model_inputs
+    from tunix_pipeline.train.optim import learning_rate_schedule, make_optimizer
 
     setting = SETTINGS[name]
     mesh = make_mesh(RuntimeParams(mesh="auto"), devices=jax.devices()[:1])

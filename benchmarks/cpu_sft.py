@@ -6,7 +6,7 @@
 One real CPU device (no fake mesh). The same Hugging Face Gemma folder (random
 weights written by our tiny-model builder's code) and the same batches feed:
 
-- `ours`: `tunix_pipeline.training.train` as the sft node calls it: our loss,
+- `ours`: `tunix_pipeline.train.sft.train` as the sft node calls it: our loss,
   optimizer, data feed, hooks and trainer (checkpointing only at the end);
 - `tunix_default`: Tunix's `PeftTrainer` with its default (one-hot) loss and the
   input function of Tunix's SFT examples, same optimizer;
@@ -92,8 +92,8 @@ def _one_device_mesh():
     """The pipeline's mesh (`runtime.mesh: auto`) over one device: the first one JAX has."""
     import jax
 
-    from tunix_pipeline import runtime
     from tunix_pipeline.config import RuntimeParams
+    from tunix_pipeline.run import runtime
 
     return runtime.make_mesh(RuntimeParams(mesh="auto"), devices=jax.devices()[:1])
 
@@ -105,9 +105,9 @@ def _series(name: str) -> list[float]:
 def _logged_useful_tokens(rows, args, seed: int) -> list[int]:
     """Non-padding tokens of each step the throughput hook timed (the steps it logged `step_time` at), counted
     from the batches the pipeline's feed gives those steps."""
-    from tunix_pipeline import training
+    from tunix_pipeline.train import loop
 
-    feed = training.BatchFeed(rows, args.batch, seed)
+    feed = loop.BatchFeed(rows, args.batch, seed)
     return [feed.step_tokens(step)[1] for e, _, step in _Recorder.events if e == "train/step_time"]
 
 
@@ -142,10 +142,12 @@ def _summary(step_times: list[float], useful_tokens: list[int], args, flops_per_
 
 # ---------------------------------------------------------------- workers (one process each)
 def worker_ours(args) -> dict:
-    """Our sft step through `training.train`, as the sft node configures it (one device: mesh auto)."""
-    from tunix_pipeline import progress, runtime, training
+    """Our sft step through `train.sft.train`, as the sft node configures it (one device: mesh auto)."""
     from tunix_pipeline.config import ModelParams
     from tunix_pipeline.models import load_run_model
+    from tunix_pipeline.planning.architecture import model_flops_per_token
+    from tunix_pipeline.run import runtime
+    from tunix_pipeline.train.sft import train
 
     if args.no_cpu_options:
         runtime.CPU_COMPILER_OPTIONS = {}
@@ -156,10 +158,10 @@ def worker_ours(args) -> dict:
         mesh = _one_device_mesh()
         model, _ = load_run_model(args.model, ModelParams(source=args.model, dtype="float32"), mesh, remat=sft.remat)
         rows = _rows(args)
-        flops = args.batch * args.seq * progress.train_flops_per_token(model, args.seq)
+        flops = args.batch * args.seq * model_flops_per_token(model, args.seq)
         loaded_rss = common.peak_rss_mb()
         t0 = time.perf_counter()
-        result = training.train(model, rows, rows.iloc[:0], sft, mesh, metrics_backends=[_Recorder])
+        result = train(model, rows, rows.iloc[:0], sft, mesh, metrics_backends=[_Recorder])
         wall = time.perf_counter() - t0
     # step_time is logged from the second step on (the first one compiles)
     steps = _series("step_time")
@@ -201,10 +203,13 @@ def worker_tunix_default(args) -> dict:
     """Tunix's PeftTrainer out of the box: its default loss (one-hot), same model, optimizer and batches."""
     from tunix.sft import metrics_logger, peft_trainer
 
-    from tunix_pipeline import progress, training, upstream
-    from tunix_pipeline.optim import make_optimizer
+    from tunix_pipeline import upstream
     from tunix_pipeline.config import ModelParams
     from tunix_pipeline.models import load_run_model
+    from tunix_pipeline.planning.architecture import model_flops_per_token
+    from tunix_pipeline.run import progress
+    from tunix_pipeline.train import loop
+    from tunix_pipeline.train.optim import make_optimizer
 
     _Recorder.events = []
     timer = common.CompileTimer()
@@ -213,12 +218,12 @@ def worker_tunix_default(args) -> dict:
         mesh = _one_device_mesh()
         model, _ = load_run_model(args.model, ModelParams(source=args.model, dtype="float32"), mesh)
         rows = _rows(args)
-        feed = training.BatchFeed(rows, args.batch, sft.seed)
+        feed = loop.BatchFeed(rows, args.batch, sft.seed)
         batches = [
             {"input_tokens": b["input_tokens"], "input_mask": b["loss_mask"]}
             for b in (feed.batch(i) for i in range(sft.max_steps))
         ]
-        flops = args.batch * args.seq * progress.train_flops_per_token(model, args.seq)
+        flops = args.batch * args.seq * model_flops_per_token(model, args.seq)
         config = peft_trainer.TrainingConfig(eval_every_n_steps=sft.max_steps + 1, max_steps=sft.max_steps)
         options = metrics_logger.MetricsLoggerOptions(
             log_dir=str(Path(tmp) / "logs"), backend_kwargs={"custom_backend": [_Recorder]}
@@ -261,8 +266,8 @@ def worker_torch(args) -> dict:
     import torch
     from transformers import GemmaForCausalLM
 
-    from tunix_pipeline import training
-    from tunix_pipeline.optim import learning_rate_schedule
+    from tunix_pipeline.train import loop
+    from tunix_pipeline.train.optim import learning_rate_schedule
 
     torch.manual_seed(0)
     threads = torch.get_num_threads()
@@ -279,7 +284,7 @@ def worker_torch(args) -> dict:
     # the pipeline's warm-up and decay, step by step (optax's schedule, evaluated on the host)
     schedule = learning_rate_schedule(sft, sft.max_steps)
     lr_at = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: float(schedule(s)) / sft.learning_rate)
-    feed = training.BatchFeed(_rows(args), args.batch, sft.seed)
+    feed = loop.BatchFeed(_rows(args), args.batch, sft.seed)
     params = sum(p.numel() for p in model.parameters())
     spec = SIZES[args.size]
     flops = args.batch * args.seq * (

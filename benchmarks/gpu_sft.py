@@ -7,7 +7,7 @@ Gemma-2B's shape (18 layers, 2048 wide, MLP 16384, 8 heads of 256 with one KV
 head, 256128-token vocabulary), random weights, bf16 weights and compute, AdamW,
 one GPU (mesh auto). Reports tokens/s, step time, compile time, device memory
 and MFU against the card's dense bf16 peak (a table of known cards, and a
-measured large bf16 `jnp.dot`), for `ours` (`training.train` as the sft node
+measured large bf16 `jnp.dot`), for `ours` (`train.sft.train` as the sft node
 runs it), `tunix_default` (Tunix's PeftTrainer with its one-hot loss) and
 `torch` (transformers' Gemma in PyTorch, sdpa attention, fused AdamW), each in
 its own process; MFU counts the same FLOPs per step for all three. Beside each
@@ -125,9 +125,12 @@ def worker(args) -> dict:
     from tunix.sft import metrics_logger, peft_trainer
 
     from benchmarks.cpu_sft import _logged_useful_tokens, _Recorder, _series, _sft_params, tunix_model_input_fn
-    from tunix_pipeline import progress, runtime, training
-    from tunix_pipeline.optim import make_optimizer
     from tunix_pipeline.config import RuntimeParams
+    from tunix_pipeline.planning.architecture import model_flops_per_token
+    from tunix_pipeline.run import progress, runtime
+    from tunix_pipeline.train import loop
+    from tunix_pipeline.train.optim import make_optimizer
+    from tunix_pipeline.train.sft import train
 
     spec = GEMMA_2B if args.size == "2b" else common.GEMMA_TINY
     _Recorder.events = []
@@ -139,12 +142,12 @@ def worker(args) -> dict:
         with mesh:
             model = make_model(spec, args.dtype)
         rows = common.token_rows(args.batch * 4, args.seq, spec["vocab_size"], seed=0)
-        flops = args.batch * args.seq * progress.train_flops_per_token(model, args.seq)
+        flops = args.batch * args.seq * model_flops_per_token(model, args.seq)
         t0 = time.perf_counter()
         if args.worker == "ours":
-            training.train(model, rows, rows.iloc[:0], sft, mesh, metrics_backends=[_Recorder])
+            train(model, rows, rows.iloc[:0], sft, mesh, metrics_backends=[_Recorder])
         else:
-            feed = training.BatchFeed(rows, args.batch, sft.seed)
+            feed = loop.BatchFeed(rows, args.batch, sft.seed)
             batches = [
                 {"input_tokens": b["input_tokens"], "input_mask": b["loss_mask"]}
                 for b in (feed.batch(i) for i in range(sft.max_steps))

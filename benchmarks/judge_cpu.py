@@ -80,7 +80,7 @@ def calibration(folder: str, rows: int = 24) -> dict:
     from scipy.stats import spearmanr
 
     from tunix_pipeline.config import JudgeParams
-    from tunix_pipeline.judge import Judge
+    from tunix_pipeline.train.judge import Judge
 
     rng, cases = random.Random(0), []
     for line in (common.ROOT / "data" / "01_raw" / "times_gsm8k.jsonl").read_text().splitlines()[:rows]:
@@ -140,10 +140,10 @@ def run(args) -> dict:
     import numpy as np
     from scipy.stats import spearmanr
 
-    from tunix_pipeline.answers import answers_match, clean, extract_answer
     from tunix_pipeline.config import JudgeParams
-    from tunix_pipeline.judge import Judge
-    from tunix_pipeline.rewards import answer
+    from tunix_pipeline.data.answers import answers_match, clean, extract_answer
+    from tunix_pipeline.train.judge import Judge
+    from tunix_pipeline.train.rewards import answer
 
     output_root = args.output_root or tempfile.mkdtemp(prefix="judge_cpu_")
     os.environ.pop("MLFLOW_TRACKING_URI", None)  # the run's own store, under output_root

@@ -60,9 +60,9 @@ def recipe() -> dict:
 def token_rows(tokenizer, count: int):
     """The recipe's first `count` packed SFT rows."""
     from tunix_pipeline.config import FormatParams, IngestParams, TokenizeParams
-    from tunix_pipeline.formatting import format_records
-    from tunix_pipeline.ingest import ingest
-    from tunix_pipeline.tokenization import tokenize_split
+    from tunix_pipeline.data.formatting import format_records
+    from tunix_pipeline.data.ingest import ingest
+    from tunix_pipeline.data.tokenization import tokenize_split
 
     conf = recipe()
     sources = [{**s, "path": str(common.ROOT / s["path"])} for s in conf["ingest"]["sources"]]
@@ -80,7 +80,7 @@ def load(model_dir: str):
 
     from tunix_pipeline.config import LoraParams, RuntimeParams
     from tunix_pipeline.models import apply_lora, load_pretrained
-    from tunix_pipeline.runtime import make_mesh
+    from tunix_pipeline.run.runtime import make_mesh
 
     mesh = make_mesh(RuntimeParams(mesh="auto"), devices=jax.devices()[:1])
     model, tokenizer = load_pretrained(model_dir, mesh)
@@ -132,7 +132,7 @@ def whole_logits_loss(model, batch):
 def sft_batches(rows, batch_size: int, steps: int) -> list[dict]:
     import numpy as np
 
-    from tunix_pipeline.tokenization import TOKEN_COLUMNS
+    from tunix_pipeline.data.tokenization import TOKEN_COLUMNS
 
     return [{c: np.stack(rows[c].iloc[i * batch_size:(i + 1) * batch_size]) for c in TOKEN_COLUMNS}
             for i in range(steps)]
@@ -142,7 +142,7 @@ def worker_sft(variant: str, model_dir: str, batch_size: int, steps: int) -> dic
     import jax.numpy as jnp
 
     from tunix_pipeline.config import SftParams
-    from tunix_pipeline.loss import loss_fn_for, model_inputs
+    from tunix_pipeline.train.loss import loss_fn_for, model_inputs
 
     model, tokenizer, mesh = load(model_dir)
     batches = sft_batches(token_rows(tokenizer, batch_size * steps), batch_size, steps)
@@ -211,8 +211,8 @@ def pair_batches(tokenizer, batch_size: int, steps: int, prompt_length: int, ans
     import numpy as np
 
     from tunix_pipeline.config import FormatParams, IngestParams
-    from tunix_pipeline.formatting import format_records
-    from tunix_pipeline.ingest import ingest
+    from tunix_pipeline.data.formatting import format_records
+    from tunix_pipeline.data.ingest import ingest
 
     conf = recipe()
     sources = [{**s, "path": str(common.ROOT / s["path"])} for s in conf["ingest"]["sources"]]
@@ -247,7 +247,7 @@ def worker_dpo(variant: str, model_dir: str, batch_size: int, steps: int) -> dic
     from flax import nnx
     from tunix.sft.dpo import dpo_trainer
 
-    from tunix_pipeline import preference
+    from tunix_pipeline.train import preference
 
     model, tokenizer, mesh = load(model_dir)
     batches = pair_batches(tokenizer, batch_size, steps, 256, 256)

@@ -7,7 +7,7 @@ Both tokenize the same formatted rows (ingest -> format of `data/01_raw`, the
 prompt and completion of each) with the same fast tokenizer (the tiny model's,
 trained on that data) to the same fixed length:
 
-- `ours`: `tunix_pipeline.tokenization.tokenize_split` (what the tokenize node
+- `ours`: `tunix_pipeline.data.tokenization.tokenize_split` (what the tokenize node
   runs): token ids, completion-only loss mask, segment ids, positions, stats;
 - `plain`: one batched call, `tokenizer(prompt + completion, truncation=True,
   max_length=L, padding="max_length", return_tensors="np")`: the ids and an
@@ -39,8 +39,8 @@ def formatted_rows(rows: int, tmp: Path):
     import yaml
 
     from tunix_pipeline.config import FormatParams, IngestParams, TinyModelParams, TokenizeParams
-    from tunix_pipeline.formatting import format_records
-    from tunix_pipeline.ingest import ingest, record_texts
+    from tunix_pipeline.data.formatting import format_records
+    from tunix_pipeline.data.ingest import ingest, record_texts
     from tunix_pipeline.models import build_tiny_gemma, load_tokenizer
 
     conf = common.ROOT / "conf" / "base"
@@ -65,7 +65,7 @@ def formatted_rows(rows: int, tmp: Path):
 
 
 def run(args) -> dict:
-    from tunix_pipeline.tokenization import tokenize_split
+    from tunix_pipeline.data.tokenization import tokenize_split
 
     with tempfile.TemporaryDirectory() as tmp:
         formatted, tokenizer, params = formatted_rows(args.rows, Path(tmp))

@@ -39,7 +39,7 @@ def project(tmp_path, monkeypatch):
 def tiny_model_dir(tmp_path_factory):
     """A tiny Gemma folder built from the committed raw data, shared by the unit tests."""
     from tunix_pipeline.config import IngestParams, SourceParams, TinyModelParams
-    from tunix_pipeline.ingest import ingest, record_texts
+    from tunix_pipeline.data.ingest import ingest, record_texts
     from tunix_pipeline.models import build_tiny_gemma
 
     raw = ROOT / "data" / "01_raw"

@@ -26,9 +26,9 @@ from kedro.framework.startup import bootstrap_project
 from mlflow.utils.validation import _validate_metric_name, _validate_param_name, _validate_tag_name
 
 from tunix_pipeline.config import IngestParams, SourceParams
-from tunix_pipeline.ingest import ingest
-from tunix_pipeline.readers import FORMAT_FIELDS, DataError
-from tunix_pipeline.tracking import mlflow_name
+from tunix_pipeline.data.ingest import ingest
+from tunix_pipeline.data.readers import FORMAT_FIELDS, DataError
+from tunix_pipeline.tracking.mlflow_runs import mlflow_name
 
 KEDRO = str(Path(sys.executable).parent / "kedro")
 FILE_TYPES = ("jsonl", "json_lines", "json_array", "csv", "parquet")
@@ -392,7 +392,7 @@ def test_every_name_is_made_valid_for_mlflow(name):
 
 
 def test_node_outputs_log_measurements_as_metrics_and_configuration_as_params(tmp_path):
-    from tunix_pipeline.tracking import log_output
+    from tunix_pipeline.tracking.mlflow_runs import log_output
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     try:

@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from benchmarks import common, cpu_sft, gpu_sft, tokenize_rows
-from tunix_pipeline.training import BatchFeed
+from tunix_pipeline.train.loop import BatchFeed
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,8 @@ def test_gpu_peak_table_knows_the_usual_cards():
 def test_the_trainer_builds_its_steps_with_the_cpu_compile_options():
     from flax import nnx
 
-    from tunix_pipeline import runtime, upstream
+    from tunix_pipeline import upstream
+    from tunix_pipeline.run import runtime
 
     options = runtime.step_compiler_options()
     assert options == runtime.CPU_COMPILER_OPTIONS  # JAX runs on the CPU here

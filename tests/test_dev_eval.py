@@ -7,10 +7,10 @@ import pytest
 from pydantic import ValidationError
 
 from tunix_pipeline.config import GrpoParams, SftParams
-from tunix_pipeline.dev_eval import KeepStep, best_step, dev_rows
+from tunix_pipeline.evaluate.dev_eval import KeepStep, best_step, dev_rows
 from tunix_pipeline.pipelines.export.nodes import final_checkpoint
-from tunix_pipeline.skips import passed_through
 from tunix_pipeline.stages import policy_step, selected_step, start_of
+from tunix_pipeline.train.skips import passed_through
 
 
 def test_dev_rows_are_the_rows_carved_from_training_sources():

@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from tunix_pipeline import generation
-from tunix_pipeline.upstream.generation import stop_string_table
 from tunix_pipeline.config import EvaluateParams, RuntimeParams
+from tunix_pipeline.evaluate import generation
+from tunix_pipeline.upstream.generation import stop_string_table
 
 MESH = RuntimeParams(mesh={"fsdp": 4, "tp": 2})
 P, N = 64, 12  # prompt length, new tokens
@@ -21,7 +21,7 @@ def lively(tiny_model_dir):
     from flax import nnx
 
     from tunix_pipeline.models import load_model
-    from tunix_pipeline.runtime import make_mesh
+    from tunix_pipeline.run.runtime import make_mesh
 
     mesh = make_mesh(MESH)
     model, _ = load_model(tiny_model_dir, mesh, "float32")

@@ -7,9 +7,18 @@ import pandas as pd
 import pytest
 from pydantic import ValidationError
 
-from tunix_pipeline import answers, evaluation, generation, sampling, significance, upstream
+from tunix_pipeline import upstream
 from tunix_pipeline.config import EvaluateParams, ModelParams, RuntimeParams
-from tunix_pipeline.evaluation import answers_match, exact_match, majority_answer, markdown_table, pass_at_k, score
+from tunix_pipeline.data import answers
+from tunix_pipeline.evaluate import evaluation, generation, sampling, significance
+from tunix_pipeline.evaluate.evaluation import (
+    answers_match,
+    exact_match,
+    majority_answer,
+    markdown_table,
+    pass_at_k,
+    score,
+)
 
 MESH = RuntimeParams(mesh={"fsdp": 4, "tp": 2})
 
@@ -285,7 +294,7 @@ def test_training_curves_figure():
 
 
 def test_empty_eval_split_gives_a_report_not_a_crash():
-    from tunix_pipeline.pipelines.evaluate.nodes import evaluate_models
+    from tunix_pipeline.evaluate.policies import evaluate_models
 
     empty = pd.DataFrame(columns=["id", "prompt", "answer"])
     sft_result = {"loss_history": [{"step": 1, "loss": 2.0}], "checkpoint_dir": "nowhere"}
@@ -300,7 +309,7 @@ def test_empty_eval_split_gives_a_report_not_a_crash():
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
     from tunix_pipeline.models import load_model
-    from tunix_pipeline.runtime import make_mesh
+    from tunix_pipeline.run.runtime import make_mesh
 
     mesh = make_mesh(MESH)
     model, _ = load_model(tiny_model_dir, mesh, "float32")
@@ -419,8 +428,8 @@ def test_evaluator_skips_and_counts_prompts_that_do_not_fit(tiny, tokenizer):
 
 def test_eval_loss_covers_the_first_loss_rows_only(tiny, tokenizer):
     from tunix_pipeline.config import TokenizeParams
-    from tunix_pipeline.tokenization import tokenize_split
-    from tunix_pipeline.evaluation import evaluate_loss
+    from tunix_pipeline.data.tokenization import tokenize_split
+    from tunix_pipeline.evaluate.evaluation import evaluate_loss
 
     model, mesh = tiny
     formatted = _formatted([str(i) for i in range(6)])
@@ -435,9 +444,9 @@ def test_eval_loss_covers_the_first_loss_rows_only(tiny, tokenizer):
 
 
 def test_evaluation_with_the_judge_model_reports_its_score_beside_accuracy(tiny, tokenizer, tiny_model_dir):
-    judge_lib = pytest.importorskip("tunix_pipeline.judge")
+    judge_lib = pytest.importorskip("tunix_pipeline.train.judge")
     from tunix_pipeline.config import JudgeParams
-    from tunix_pipeline.pipelines.evaluate.nodes import _judge
+    from tunix_pipeline.evaluate.policies import _judge
 
     model, mesh = tiny
     params = EvaluateParams(max_new_tokens=4, batch_size=4, judge=JudgeParams(source=str(tiny_model_dir), batch_size=4))
@@ -457,7 +466,7 @@ def test_gathered_weights_generate_the_same_tokens_and_leave_the_model_sharded(t
     import jax
     from flax import nnx
 
-    from tunix_pipeline.runtime import split_over_batch
+    from tunix_pipeline.run.runtime import split_over_batch
 
     model, mesh = tiny
     split = [x for x in jax.tree.leaves(nnx.state(model)) if split_over_batch(x)]

@@ -1,8 +1,8 @@
 import pandas as pd
 
 from tunix_pipeline.config import FormatParams
-from tunix_pipeline.answers import extract_answer, well_formed
-from tunix_pipeline.formatting import format_records, gemma_turns, render_prompt
+from tunix_pipeline.data.answers import extract_answer, well_formed
+from tunix_pipeline.data.formatting import format_records, gemma_turns, render_prompt
 
 # The chat template that google/gemma-2b-it ships in tokenizer_config.json.
 GEMMA_IT_TEMPLATE = (
@@ -86,7 +86,7 @@ def test_the_split_of_eval_records_reaches_the_formatted_rows(tmp_path, tokenize
     import json
 
     from tunix_pipeline.config import IngestParams, SourceParams
-    from tunix_pipeline.ingest import ingest
+    from tunix_pipeline.data.ingest import ingest
 
     def qa(name, questions):
         path = tmp_path / name

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from safetensors.numpy import load_file
 
 from tunix_pipeline.config import ExportParams
-from tunix_pipeline.formatting import gemma_turns
+from tunix_pipeline.data.formatting import gemma_turns
 from tunix_pipeline.models import ModelError, export_pretrained, load_model
 from tunix_pipeline.models.gguf import build_tokenizer, gguf_to_folder
 from tunix_pipeline.models.gguf_export import GEMMA_TURNS_TEMPLATE, MODELFILE

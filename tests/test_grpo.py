@@ -9,9 +9,13 @@ import pandas as pd
 import pytest
 from flax import nnx
 
-from tunix_pipeline import generation, grpo, upstream
+from tunix_pipeline import upstream
 from tunix_pipeline.config import GrpoParams, LoraParams, RuntimeParams
-from tunix_pipeline.runtime import make_mesh
+from tunix_pipeline.evaluate import generation
+from tunix_pipeline.run.runtime import make_mesh
+from tunix_pipeline.train import grpo
+from tunix_pipeline.train.loop import frozen_copy
+from tunix_pipeline.upstream.rl import algorithm
 
 MESH = RuntimeParams(mesh={"fsdp": 4, "tp": 2})
 
@@ -93,7 +97,7 @@ def test_prompts_that_do_not_fit_are_skipped_and_counted(formatted, tokenizer, c
     [("grpo", 0.04, "grpo"), ("dr-grpo", 0.0, "drgrpo"), ("dapo", 0.0, "grpo")],
 )
 def test_loss_variants_map_to_tunix_learners(tmp_path, variant, beta, estimator):
-    config, learner = grpo.algorithm(_params(tmp_path, loss_variant=variant, beta=beta, num_generations=4))
+    config, learner = algorithm(_params(tmp_path, loss_variant=variant, beta=beta, num_generations=4))
     assert config.advantage_estimator == estimator and config.num_generations == 4
     assert config.beta == beta  # dapo: 0.0, so Tunix skips the reference pass
     assert learner.__name__ == {"grpo": "GRPOLearner", "dr-grpo": "DrGRPOLearner", "dapo": "DAPOLearner"}[variant]
@@ -105,7 +109,7 @@ def test_frozen_copy_shares_arrays_until_the_model_changes(tiny_model_dir):
     from tunix_pipeline.models import load_model
 
     model, _ = load_model(tiny_model_dir, None, "float32")
-    copy = grpo.frozen_copy(model)
+    copy = frozen_copy(model)
     before = _weights(copy)
     nnx.update(model, jax.tree.map(lambda x: x + 1, nnx.state(model, nnx.Param)))
     after = _weights(copy)
@@ -119,7 +123,7 @@ def test_batch_must_divide_over_the_data_devices(tiny_model_dir, tokenizer, form
         grpo.train_grpo(None, tokenizer, formatted, _params(tmp_path, micro_batch_size=1), make_mesh(MESH))
     with pytest.raises(ValueError, match=r"micro_batch_size \(3\) must divide batch_size \(4\)"):
         _params(tmp_path, batch_size=4, micro_batch_size=3)
-    from tunix_pipeline.skips import NothingToLearn
+    from tunix_pipeline.train.skips import NothingToLearn
 
     with pytest.raises(NothingToLearn, match=rf"0 of {len(formatted)} training prompts fit grpo.max_prompt_length=4 "
                        rf"tokens \({len(formatted)} too long\), and one batch takes grpo.batch_size=2: raise "
@@ -170,7 +174,7 @@ def test_grpo_full_weights_trains_checkpoints_and_resumes(tiny_model_dir, tokeni
     assert any(not np.allclose(start[k], trained[k]) for k in start)  # a step moves weights by ~lr, far past 1e-5
 
     # the checkpoint restores into a fresh model
-    from tunix_pipeline.checkpoints import restore_latest
+    from tunix_pipeline.train.checkpoints import restore_latest
 
     fresh, _ = load_model(tiny_model_dir, mesh, "float32")
     assert restore_latest(fresh, ckpt) == 2
@@ -268,7 +272,7 @@ def test_export_ships_grpo_only_when_it_ran_from_the_current_sft_checkpoint(capl
 def test_grpo_weight_decay_reaches_matrices_only(tiny_model_dir, tmp_path):
     """GRPO builds the SFT optimizer: with weight_decay > 0 a zero gradient moves matrices, never norms."""
     from tunix_pipeline.models import load_model
-    from tunix_pipeline.optim import make_optimizer
+    from tunix_pipeline.train.optim import make_optimizer
 
     model, _ = load_model(tiny_model_dir, None)
     # every weight away from 0, so decay would move any leaf it reached (Gemma's norm scales start at 0)
@@ -288,10 +292,10 @@ def test_grpo_weight_decay_reaches_matrices_only(tiny_model_dir, tmp_path):
 
 
 def test_grpo_dev_eval_keeps_the_best_step(tiny_model_dir, tokenizer, formatted, tmp_path, monkeypatch):
-    from tunix_pipeline import evaluation
-    from tunix_pipeline.checkpoints import restore_required
+    from tunix_pipeline.evaluate import evaluation
     from tunix_pipeline.models import load_model
     from tunix_pipeline.stages import selected_step
+    from tunix_pipeline.train.checkpoints import restore_required
 
     mesh = make_mesh(MESH)
     model, _ = load_model(tiny_model_dir, mesh, "float32")

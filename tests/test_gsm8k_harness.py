@@ -20,8 +20,8 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-from tunix_pipeline import harness  # noqa: E402
 from tunix_pipeline.config import HarnessParams, ModelParams, RuntimeParams  # noqa: E402
+from tunix_pipeline.evaluate import harness  # noqa: E402
 
 from .conftest import ROOT  # noqa: E402
 
@@ -40,7 +40,7 @@ pytestmark = [
 def exported(tmp_path_factory):
     """(the real 270M exported by us as a Hugging Face folder, a one-device mesh)."""
     from tunix_pipeline.models import export_pretrained, load_pretrained, resolve_model_dir
-    from tunix_pipeline.runtime import make_mesh
+    from tunix_pipeline.run.runtime import make_mesh
 
     tmp = tmp_path_factory.mktemp("gsm8k_harness")
     folder = resolve_model_dir(ModelParams(source=f"pypi:{PACKAGE}", local_dir=str(tmp / "base_model")))
@@ -102,7 +102,7 @@ def test_lm_evals_gsm8k_from_local_files_scores_the_same_through_our_backend_and
 def test_generation_prefill_makes_only_the_last_positions_logits(exported):
     """Our sampler's prefill never holds (batch, prompt, vocabulary) logits: XLA's own temporaries for a
     2 x 512-token prompt stay far below those 1 GB (float32, 262k words); Tunix's own prefill needs more."""
-    from tunix_pipeline.generation import make_sampler
+    from tunix_pipeline.evaluate.generation import make_sampler
     from tunix_pipeline.models import load_pretrained
 
     folder, mesh = exported
@@ -135,11 +135,11 @@ def test_the_fair_score_is_the_same_from_our_evaluation_and_lm_evals_hf_backend(
     from lm_eval.models.huggingface import HFLM
     from transformers import AutoTokenizer
 
-    from tunix_pipeline import evaluation
     from tunix_pipeline.config import EvaluateParams, FormatParams, IngestParams, SourceParams
-    from tunix_pipeline.formatting import format_records
-    from tunix_pipeline.generation import Generator, select_prompts
-    from tunix_pipeline.ingest import ingest
+    from tunix_pipeline.data.formatting import format_records
+    from tunix_pipeline.data.ingest import ingest
+    from tunix_pipeline.evaluate import evaluation
+    from tunix_pipeline.evaluate.generation import Generator, select_prompts
     from tunix_pipeline.models import load_pretrained
 
     folder, mesh = exported
@@ -170,7 +170,7 @@ def test_the_fair_score_is_the_same_from_our_evaluation_and_lm_evals_hf_backend(
     assert (scores["strict,none"], scores["lenient,none"], scores["format,none"]) == pytest.approx(
         (ours["answer_accuracy"], ours["lenient_accuracy"], ours["format_compliance"]))
     # document by document: the same answer found by each reading
-    from tunix_pipeline.answers import readings
+    from tunix_pipeline.data.answers import readings
 
     by_doc = sorted(theirs["samples"]["tagged_answer"], key=lambda s: s["doc_id"])
     for row, sample in zip(samples.to_dict(orient="records"), by_doc):

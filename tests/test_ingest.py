@@ -4,8 +4,8 @@ import pandas as pd
 import pytest
 
 from tunix_pipeline.config import IngestParams, SourceParams
-from tunix_pipeline.ingest import ingest, split_completion
-from tunix_pipeline.readers import DataError
+from tunix_pipeline.data.ingest import ingest, split_completion
+from tunix_pipeline.data.readers import DataError
 
 from .conftest import ROOT
 

@@ -6,10 +6,10 @@ import json
 import pandas as pd
 import pytest
 
-from tunix_pipeline.answers import answers_match
 from tunix_pipeline.config import IngestParams, SourceParams
-from tunix_pipeline.ingest import ingest
-from tunix_pipeline.readers import DataError
+from tunix_pipeline.data.answers import answers_match
+from tunix_pipeline.data.ingest import ingest
+from tunix_pipeline.data.readers import DataError
 
 from .conftest import ROOT
 

@@ -6,9 +6,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tunix_pipeline import judge as judge_lib
 from tunix_pipeline.config import GrpoParams, JudgeParams, RewardParams, RuntimeParams
-from tunix_pipeline.rewards import RewardSet
+from tunix_pipeline.train import judge as judge_lib
+from tunix_pipeline.train.rewards import RewardSet
 
 PROMPTS = [f"<bos><start_of_turn>user\nAda has {i} apples. How many?<end_of_turn>\n<start_of_turn>model\n"
            for i in range(5)]
@@ -110,7 +110,7 @@ def test_a_judge_that_cannot_resolve_here_is_refused_before_any_model_loads(tmp_
     assert judge_lib.Judge(JudgeParams(source="google/gemma-3-4b-it")).sampler is None  # a hub id downloads later
 
     from tunix_pipeline.config import EvaluateParams
-    from tunix_pipeline.pipelines.evaluate.nodes import _evaluator
+    from tunix_pipeline.evaluate.policies import _evaluator
 
     evaluate = EvaluateParams(judge={"source": str(tmp_path / "no-such-judge")})  # the policy's folder is missing too
     with pytest.raises(ModelError, match="judge.source"):
@@ -132,8 +132,8 @@ def test_a_judge_takes_the_last_devices_and_the_policy_the_rest():
 
 
 def test_grpo_with_a_judge_on_its_own_devices_logs_its_scores_and_time(tiny_model_dir, tokenizer, tmp_path):
-    from tunix_pipeline import grpo
     from tunix_pipeline.models import load_model
+    from tunix_pipeline.train import grpo
 
     # two rows with an answer, two open-ended prompts with no reference (a judge's rows)
     formatted = pd.DataFrame({"id": [f"r{i}" for i in range(4)], "source": "t", "prompt": PROMPTS[:4],
@@ -156,9 +156,9 @@ def test_grpo_with_a_judge_on_its_own_devices_logs_its_scores_and_time(tiny_mode
 
 def test_preference_pairs_ranked_by_a_judge_sharing_the_policys_devices(tiny_model_dir, tokenizer, tmp_path):
     """`preference.from_rewards.rewards` with a judge: every sample judged once, pairs ordered by its score."""
-    from tunix_pipeline import pairs
     from tunix_pipeline.config import PreferenceParams
     from tunix_pipeline.models import load_model
+    from tunix_pipeline.train import pairs
 
     formatted = pd.DataFrame({"id": [f"r{i}" for i in range(3)], "source": "t", "prompt": PROMPTS[:3],
                               "completion": COMPLETIONS[:3], "answer": [str(i) for i in range(3)]})

@@ -1,6 +1,7 @@
 """The package stays legible: no import cycle between its modules (imports inside functions count too), only the
-modules above the pipelines import them, no module over ~400 lines, no function over ~60 (the project's rules, with
-a little slack so a docstring line does not fail the build)."""
+modules above the pipelines import them, no pipeline imports another, modules in packages by concern, no module over
+~400 lines, no function over ~60 (the project's rules, with a little slack so a docstring line does not fail the
+build)."""
 
 import ast
 from pathlib import Path
@@ -61,7 +62,7 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_import_edges_include_lazy_and_relative_imports():
     graph = package_graph()
     assert "tunix_pipeline.pipelines.sft.pipeline" in graph["tunix_pipeline.pipelines.sft"]  # `from .pipeline import`
-    assert "tunix_pipeline.harness_lm" in graph["tunix_pipeline.harness"]  # imported inside a function
+    assert "tunix_pipeline.evaluate.harness_lm" in graph["tunix_pipeline.evaluate.harness"]  # imported inside a function
 
 
 def test_no_import_cycle():
@@ -71,7 +72,7 @@ def test_no_import_cycle():
 
 
 # the Kedro project's top: they assemble the pipelines or hook into their nodes, so they sit above them
-ABOVE_PIPELINES = {"tunix_pipeline.pipeline_registry", "tunix_pipeline.settings", "tunix_pipeline.hooks"}
+ABOVE_PIPELINES = {"tunix_pipeline.pipeline_registry", "tunix_pipeline.settings", "tunix_pipeline.run.hooks"}
 
 
 def in_pipelines(name: str) -> bool:
@@ -82,6 +83,27 @@ def test_only_the_project_top_imports_the_pipelines():
     offenders = {name: sorted(filter(in_pipelines, deps)) for name, deps in package_graph().items()
                  if not in_pipelines(name) and name not in ABOVE_PIPELINES and any(map(in_pipelines, deps))}
     assert not offenders, f"the pipelines sit above these modules, which must not import them: {offenders}"
+
+
+def test_no_pipeline_imports_another():
+    """Each pipeline package is one stage's nodes; what two stages share lives in a plain module below them."""
+    def pipeline_of(name: str) -> str | None:
+        parts = name.split(".")
+        return parts[2] if len(parts) > 2 and parts[1] == "pipelines" else None
+
+    offenders = {name: sorted(d for d in deps if pipeline_of(d) not in (None, pipeline_of(name)))
+                 for name, deps in package_graph().items() if pipeline_of(name)}
+    assert not {k: v for k, v in offenders.items() if v}, f"pipelines importing another pipeline: {offenders}"
+
+
+# Kedro's own entry points (it looks for these names at the package's top) and the stage registry; everything
+# else lives in the package of its concern (data, models, train, evaluate, planning, tracking, run, ...)
+TOP_MODULES = {"__init__", "__main__", "cli", "pipeline_registry", "settings", "stages"}
+
+
+def test_the_package_top_holds_only_kedros_entry_points_and_the_stage_registry():
+    loose = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in TOP_MODULES)
+    assert not loose, f"move these into the package of their concern: {loose}"
 
 
 def test_modules_and_functions_stay_short():

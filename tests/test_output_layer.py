@@ -10,10 +10,10 @@ import pytest
 from flax import nnx
 from tunix.sft.dpo import dpo_trainer
 
-from tunix_pipeline import preference
 from tunix_pipeline.config import LoraParams
-from tunix_pipeline.loss import model_inputs, token_nll
 from tunix_pipeline.models.lora import apply_lora
+from tunix_pipeline.train import preference
+from tunix_pipeline.train.loss import model_inputs, token_nll
 
 from .test_logps import CONFIGS, VOCAB, assert_gradients_close, tiny_model
 

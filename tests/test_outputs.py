@@ -16,7 +16,7 @@ import json, os, signal, sys
 from kedro.config import OmegaConfigLoader
 from kedro.io import DataCatalog
 from kedro.pipeline import node
-from tunix_pipeline.hooks import OutputHooks
+from tunix_pipeline.run.hooks import OutputHooks
 from tunix_pipeline.settings import HOOKS
 
 conf = OmegaConfigLoader(sys.argv[1], base_env="base", default_run_env="local",

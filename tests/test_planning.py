@@ -10,11 +10,19 @@ from kedro.framework.session import KedroSession
 from kedro.framework.startup import bootstrap_project
 
 from tunix_pipeline.config import LoraParams, ModelParams, PlanParams, RuntimeParams, SftParams, TokenizeParams
-from tunix_pipeline.planning import DoesNotFit, TrainSetup, build_plan, estimate_memory, from_hf_config, markdown, resolve
-from tunix_pipeline.planning import xla
+from tunix_pipeline.planning import (
+    DoesNotFit,
+    TrainSetup,
+    build_plan,
+    estimate_memory,
+    from_hf_config,
+    markdown,
+    resolve,
+    xla,
+)
 from tunix_pipeline.planning.architecture import lora_targets
-from tunix_pipeline.planning.memory import GIB
 from tunix_pipeline.planning.job import Job
+from tunix_pipeline.planning.memory import GIB
 from tunix_pipeline.planning.plan import evaluate, make_plan
 
 from .conftest import ROOT
@@ -279,9 +287,9 @@ def test_sft_stops_before_reading_weights_when_the_run_cannot_fit(project, monke
 
 
 def test_the_preflight_warns_and_goes_on_when_risky(caplog):
-    from tunix_pipeline.pipelines.plan.nodes import check_sft_fits
-
     import pandas as pd
+
+    from tunix_pipeline.pipelines.sft.nodes import check_sft_fits
 
     plan = PLAN.model_copy(update={"hardware": "t4-small"})
     model = ModelParams(source="Qwen/Qwen2.5-1.5B", dtype="bfloat16", lora=LoraParams())

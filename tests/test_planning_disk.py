@@ -9,10 +9,10 @@ import pytest
 
 from tunix_pipeline.config import ExportParams, HardwareProfile, ModelParams, TrackingParams
 from tunix_pipeline.config.training import CheckpointSettings, OptimizerSettings
-from tunix_pipeline.final_weights import copy_final_weights, keep_for_next_session
 from tunix_pipeline.planning.architecture import from_hf_config
 from tunix_pipeline.planning.disk import check, kept, location, plan_disk
 from tunix_pipeline.planning.memory import TrainSetup
+from tunix_pipeline.train.final_weights import copy_final_weights, keep_for_next_session
 
 GEMMA_2B = {"model_type": "gemma", "vocab_size": 256000, "hidden_size": 2048, "intermediate_size": 16384,
             "num_hidden_layers": 18, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256,
@@ -211,8 +211,8 @@ def test_planned_bytes_match_du_after_a_short_real_run(project):
     import numpy as np
     from flax import nnx
 
-    from tunix_pipeline.checkpoints import restore_latest
     from tunix_pipeline.models import load_pretrained
+    from tunix_pipeline.train.checkpoints import restore_latest
 
     copy = copy_final_weights(ckpt, 12, project / "final")
     assert not (copy / "12" / "optimizer_state").exists()
@@ -299,7 +299,7 @@ def test_the_sft_preflight_stops_a_run_whose_outputs_do_not_fit_the_disk(tmp_pat
     import yaml
 
     from tunix_pipeline.config import GrpoParams, PlanParams, PreferenceParams, RuntimeParams, SftParams, TokenizeParams
-    from tunix_pipeline.pipelines.plan.nodes import check_sft_fits
+    from tunix_pipeline.pipelines.sft.nodes import check_sft_fits
     from tunix_pipeline.planning import DoesNotFit
 
     from .conftest import ROOT

@@ -4,7 +4,15 @@ compiled by XLA:TPU for a Kaggle v5e-8 (libtpu's compile-only devices, no TPU)."
 import pytest
 import yaml
 
-from tunix_pipeline.config import GrpoParams, LoraParams, ModelParams, PlanParams, RuntimeParams, SftParams, TokenizeParams
+from tunix_pipeline.config import (
+    GrpoParams,
+    LoraParams,
+    ModelParams,
+    PlanParams,
+    RuntimeParams,
+    SftParams,
+    TokenizeParams,
+)
 from tunix_pipeline.planning import build_plan
 from tunix_pipeline.planning.grpo import add_grpo
 from tunix_pipeline.planning.memory import GIB

@@ -11,7 +11,7 @@ from tunix_pipeline.planning.grpo import add_grpo
 from tunix_pipeline.planning.memory import GIB
 
 from .conftest import ROOT
-from .test_planning_grpo import CHIP_FLOPS, N, PLAN, SFT
+from .test_planning_grpo import CHIP_FLOPS, PLAN, SFT, N
 
 POLICY = ModelParams(source="google/gemma-2b", dtype="bfloat16", lora=LoraParams(rank=16))
 MFU = PLAN.profiles["kaggle-tpu-v5e-8"].mfu
@@ -111,7 +111,8 @@ def test_the_judges_scoring_call_compiles_for_a_kaggle_v5e_8():
                          "rewards": rewards + [{**judge, "judge": {**judge["judge"], "source": "judge-2"}}]})
     model = ModelParams(source="policy-2", dtype="bfloat16", lora=LoraParams(**recipe["model"]["lora"]))
     plan = build_plan(model, SFT, RuntimeParams(), TokenizeParams(max_length=512), params)
-    from tunix_pipeline.planning import judge as judge_lib, xla
+    from tunix_pipeline.planning import judge as judge_lib
+    from tunix_pipeline.planning import xla
 
     policy, _ = judge_lib.policy_row(plan, plan.selected, grpo, params)
     name, devices = xla.tpu_target(plan.selected.hw)

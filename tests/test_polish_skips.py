@@ -8,7 +8,7 @@ from kedro.framework.session import KedroSession
 from kedro.framework.startup import bootstrap_project
 from omegaconf import OmegaConf
 
-from tunix_pipeline.skips import NothingToLearn, passed_through, skip_stage
+from tunix_pipeline.train.skips import NothingToLearn, passed_through, skip_stage
 
 SFT = {"checkpoint_dir": "data/06_models/sft_checkpoints", "latest_step": 30}
 

@@ -83,6 +83,7 @@ def test_a_folder_of_safetensors_is_measured(tmp_path):
 def test_the_plan_summary_and_markdown_carry_the_share(tmp_path):
     from tunix_pipeline.config import ModelParams, RuntimeParams, SftParams, TokenizeParams
     from tunix_pipeline.planning import build_plan, markdown
+
     from .test_planning import PLAN as plan
     model = ModelParams(source="google/gemma-2b", dtype="bfloat16", local_dir=str(tmp_path / "none"))
     sft = SftParams(max_steps=114, per_device_batch_size=4, learning_rate=2e-5, warmup_steps=10, checkpoint_every=40,
@@ -110,7 +111,7 @@ def test_the_sft_preflight_measures_the_base_model_and_warns(tmp_path, caplog):
     from safetensors.numpy import save_file
 
     from tunix_pipeline.config import ModelParams, RuntimeParams, SftParams, TokenizeParams
-    from tunix_pipeline.pipelines.plan.nodes import check_sft_fits
+    from tunix_pipeline.pipelines.sft.nodes import check_sft_fits
 
     from .test_planning import PLAN
 
@@ -124,7 +125,7 @@ def test_the_sft_preflight_measures_the_base_model_and_warns(tmp_path, caplog):
     sft = SftParams(max_steps=114, per_device_batch_size=4, learning_rate=2e-5, warmup_steps=10, checkpoint_every=40,
                     remat="decoder")
     rows = pd.DataFrame({"input_tokens": [[1] * 1024] * 32})
-    logger = logging.getLogger("tunix_pipeline.pipelines.plan.nodes")
+    logger = logging.getLogger("tunix_pipeline.pipelines.sft.nodes")
     logger.addHandler(caplog.handler)  # the project's logging config may stop propagation to the root
     try:
         with caplog.at_level(logging.INFO, logger=logger.name):

@@ -51,7 +51,7 @@ def logps():
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("sft_weight", [0.0, 0.5])
 def test_dpo_loss_is_the_papers(logps, eps, sft_weight):
-    from tunix_pipeline.preference import pair_losses
+    from tunix_pipeline.train.preference import pair_losses
 
     c, r, nc, nr, c_ref, r_ref = logps
     got, chosen_reward, _ = pair_losses("dpo", c, r, nc, nr, c_ref, r_ref, beta=0.3, label_smoothing=eps,
@@ -63,7 +63,7 @@ def test_dpo_loss_is_the_papers(logps, eps, sft_weight):
 
 @pytest.mark.parametrize("eps", [0.0, 0.2])
 def test_simpo_loss_is_the_papers(logps, eps):
-    from tunix_pipeline.preference import pair_losses
+    from tunix_pipeline.train.preference import pair_losses
 
     c, r, nc, nr, _, _ = logps
     got, _, _ = pair_losses("simpo", c, r, nc, nr, beta=2.0, simpo_gamma=0.7, label_smoothing=eps)
@@ -73,7 +73,7 @@ def test_simpo_loss_is_the_papers(logps, eps):
 
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 def test_orpo_loss_is_the_papers_on_averaged_log_probs(logps, eps):
-    from tunix_pipeline.preference import pair_losses
+    from tunix_pipeline.train.preference import pair_losses
 
     c, r, nc, nr, _, _ = logps
     got, _, _ = pair_losses("orpo", c, r, nc, nr, orpo_lambda=0.25, label_smoothing=eps)
@@ -84,7 +84,7 @@ def test_orpo_loss_is_the_papers_on_averaged_log_probs(logps, eps):
 def test_orpo_odds_ratio_term_differs_from_tunix_summed_one():
     """The issue's example: 40-token answers; Tunix sums log-probs, the paper averages them."""
 
-    from tunix_pipeline.preference import pair_losses
+    from tunix_pipeline.train.preference import pair_losses
 
     n = 40.0
     c, r = -0.5 * n, -0.9 * n
@@ -96,7 +96,7 @@ def test_orpo_odds_ratio_term_differs_from_tunix_summed_one():
 
 
 def test_pair_accuracy_counts_ties_half():
-    from tunix_pipeline.preference import pair_accuracy
+    from tunix_pipeline.train.preference import pair_accuracy
 
     assert float(pair_accuracy(np.array([1.0, 0.0, 2.0, 3.0]), np.array([0.0, 0.0, 3.0, 3.0]))) == pytest.approx(0.5)
     assert float(pair_accuracy(np.array([1.0, 1.0]), np.array([0.0, 0.0]))) == 1.0
@@ -112,8 +112,8 @@ def _write_jsonl(path, rows):
 
 def test_chat_pairs_share_their_prompt_turns_and_render_like_sft(tmp_path, tokenizer):
     from tunix_pipeline.config import FormatParams, IngestParams, SourceParams
-    from tunix_pipeline.formatting import format_records
-    from tunix_pipeline.ingest import ingest
+    from tunix_pipeline.data.formatting import format_records
+    from tunix_pipeline.data.ingest import ingest
 
     user = {"role": "user", "content": "What is 2 + 3?"}
     good = {"chosen": [user, {"role": "assistant", "content": "<reasoning>2 + 3 = 5</reasoning><answer>5</answer>"}],
@@ -153,7 +153,7 @@ def test_preference_sources_are_not_mixed_with_sft_ones():
 def _formatted_pairs(tokenizer, n=24, long_every=0):
     import pandas as pd
 
-    from tunix_pipeline.formatting import gemma_turns
+    from tunix_pipeline.data.formatting import gemma_turns
 
     rows = []
     for i in range(n):
@@ -175,8 +175,8 @@ def _params(tmp_path, **kw):
 
 
 def test_pairs_are_left_and_right_padded_and_never_truncated(tmp_path, tokenizer):
-    from tunix_pipeline import pairs
-    from tunix_pipeline.tokenization import encode_batch
+    from tunix_pipeline.data.tokenization import encode_batch
+    from tunix_pipeline.train import pairs
 
     formatted = _formatted_pairs(tokenizer, n=12, long_every=5)
     formatted.loc[1, "completion"] = "<reasoning>" + "x " * 40 + "</reasoning><answer>1</answer>"
@@ -209,10 +209,10 @@ def test_dpo_resumes_and_precomputed_reference_equals_the_reference_model(tmp_pa
 
     (A constant learning rate: the first 2-step run's schedule is then the same as the 4-step one's.)
     """
-    from tunix_pipeline import pairs, preference
     from tunix_pipeline.config import RuntimeParams
     from tunix_pipeline.models import load_model
-    from tunix_pipeline.runtime import make_mesh
+    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.train import pairs, preference
 
     mesh = make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
     pairs, _ = pairs.tokenize_pairs(_formatted_pairs(tokenizer), tokenizer, _params(tmp_path))
@@ -240,10 +240,10 @@ def test_dpo_resumes_and_precomputed_reference_equals_the_reference_model(tmp_pa
 def test_orpo_with_lora_trains_only_the_adapters(tmp_path, tiny_model_dir, tokenizer):
     from flax import nnx
 
-    from tunix_pipeline import pairs, preference
     from tunix_pipeline.config import LoraParams, RuntimeParams
     from tunix_pipeline.models import apply_lora, load_model
-    from tunix_pipeline.runtime import make_mesh
+    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.train import pairs, preference
 
     mesh = make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
     pairs, _ = pairs.tokenize_pairs(_formatted_pairs(tokenizer), tokenizer, _params(tmp_path))
@@ -282,12 +282,12 @@ def longest_answer(prompts, completions, **_):
 
 
 def test_pairs_from_rewards_keep_best_and_worst_beyond_the_margin(tmp_path, tiny_model_dir, tokenizer):
-    from tunix_pipeline import pairs
     from tunix_pipeline.config import RewardParams, RuntimeParams
-    from tunix_pipeline.formatting import end_of_turn
+    from tunix_pipeline.data.formatting import end_of_turn
     from tunix_pipeline.models import load_model
-    from tunix_pipeline.rewards import RewardSet
-    from tunix_pipeline.runtime import make_mesh
+    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.train import pairs
+    from tunix_pipeline.train.rewards import RewardSet
 
     mesh = make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
     model, _ = load_model(tiny_model_dir, mesh, "float32")
@@ -306,7 +306,7 @@ def test_pairs_from_rewards_keep_best_and_worst_beyond_the_margin(tmp_path, tiny
 
 
 def test_pairs_from_rewards_name_preferences_own_prompt_limit(tmp_path, tokenizer, caplog):
-    from tunix_pipeline import pairs
+    from tunix_pipeline.train import pairs
 
     formatted = _formatted_pairs(tokenizer, n=2, long_every=1).assign(source="s", answer="2")  # every prompt too long
     # no prompt fits: no sampling, so no model, rewards or mesh are needed
@@ -344,7 +344,13 @@ def test_plan_holds_a_reference_only_for_dpo_without_precomputed_log_probs():
     import yaml
 
     from tunix_pipeline.config import (
-        LoraParams, ModelParams, PlanParams, PreferenceParams, RuntimeParams, SftParams, TokenizeParams,
+        LoraParams,
+        ModelParams,
+        PlanParams,
+        PreferenceParams,
+        RuntimeParams,
+        SftParams,
+        TokenizeParams,
     )
     from tunix_pipeline.planning import build_plan
     from tunix_pipeline.planning.preference import add_preference
@@ -383,7 +389,7 @@ def test_plan_holds_a_reference_only_for_dpo_without_precomputed_log_probs():
 
 # ---------------------------------------------------------------- sessions: SFT -> SimPO -> GRPO
 def test_sessions_hand_on_the_last_stage_of_the_previous_session(tmp_path):
-    from tunix_pipeline.sessions import Ledger, apply_current_session
+    from tunix_pipeline.run.sessions import Ledger, apply_current_session
 
     ledger = Ledger(tmp_path)
     ledger.record_finished(0, "sft_lora", {"checkpoint_dir": str(tmp_path / "06_models/sft/sft_lora"), "step": 600})
@@ -415,12 +421,11 @@ def test_sessions_hand_on_the_last_stage_of_the_previous_session(tmp_path):
 
 
 def test_too_few_pairs_stop_before_any_weights_load(tmp_path, tokenizer):
-    from tunix_pipeline import preference
     from tunix_pipeline.config import RuntimeParams
-    from tunix_pipeline.runtime import make_mesh
-
-    from tunix_pipeline.pairs import why_too_few
-    from tunix_pipeline.skips import NothingToLearn
+    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.train import preference
+    from tunix_pipeline.train.pairs import why_too_few
+    from tunix_pipeline.train.skips import NothingToLearn
 
     mesh = make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
     params = _params(tmp_path)

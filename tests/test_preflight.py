@@ -12,17 +12,23 @@ from pathlib import Path
 import pytest
 from kedro.config import OmegaConfigLoader
 
-from tunix_pipeline.checkpoints import CheckpointError
 from tunix_pipeline.config import EvaluateParams, HarnessParams, JudgeParams, ModelParams, RewardParams, SftParams
 from tunix_pipeline.config.validation import ConfigError
-from tunix_pipeline.errors import HarnessError, UserError
 from tunix_pipeline.models.errors import ModelError
-from tunix_pipeline.preflight import (
-    check_harness, check_init_from, check_lengths, check_previous_root, check_reached_stages, check_rewards,
-    model_max_positions, reached_stages,
+from tunix_pipeline.run.errors import HarnessError, UserError
+from tunix_pipeline.run.preflight import (
+    check_harness,
+    check_init_from,
+    check_lengths,
+    check_previous_root,
+    check_reached_stages,
+    check_rewards,
+    model_max_positions,
+    reached_stages,
 )
-from tunix_pipeline.rewards import RewardError
 from tunix_pipeline.stages import GRPO, PREFERENCE, SFT
+from tunix_pipeline.train.checkpoints import CheckpointError
+from tunix_pipeline.train.rewards import RewardError
 
 KEDRO = str(Path(sys.executable).parent / "kedro")
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -40,15 +46,15 @@ def one_line(err: pytest.ExceptionInfo) -> str:
 
 # ---------------------------------------------------------------- rewards
 def test_reward_names_and_dotted_paths():
-    check_rewards([RewardParams(fn="format_exact"), RewardParams(fn="tunix_pipeline.rewards:answer")], "grpo.rewards")
+    check_rewards([RewardParams(fn="format_exact"), RewardParams(fn="tunix_pipeline.train.rewards:answer")], "grpo.rewards")
     with pytest.raises(RewardError) as err:
         check_rewards([RewardParams(fn="answer"), RewardParams(fn="format")], "grpo.rewards")
     assert one_line(err).startswith("grpo.rewards[1].fn: reward 'format' is neither a built-in")
     assert "did you mean format_exact?" in str(err.value)
     with pytest.raises(RewardError, match=r"^grpo.rewards\[0\].fn: reward 'no_such_pkg.mod:f': cannot import module"):
         check_rewards([RewardParams(fn="no_such_pkg.mod:f")], "grpo.rewards")
-    with pytest.raises(RewardError, match=r"tunix_pipeline.rewards has no function 'nope'"):
-        check_rewards([RewardParams(fn="tunix_pipeline.rewards:nope")], "grpo.rewards")
+    with pytest.raises(RewardError, match=r"tunix_pipeline.train.rewards has no function 'nope'"):
+        check_rewards([RewardParams(fn="tunix_pipeline.train.rewards:nope")], "grpo.rewards")
 
 
 def test_judge_sources(tmp_path):

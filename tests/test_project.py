@@ -11,7 +11,7 @@ import pytest
 from kedro.framework.session import KedroSession
 from kedro.framework.startup import bootstrap_project
 
-from tunix_pipeline.readers import DataError
+from tunix_pipeline.data.readers import DataError
 
 from .conftest import copy_project
 

@@ -14,17 +14,32 @@ import pytest
 import torch
 import transformers
 
-from tunix_pipeline.config import FormatParams, IngestParams, LoraParams, ModelParams, RuntimeParams, SftParams, TokenizeParams
-from tunix_pipeline.formatting import format_records
-from tunix_pipeline.ingest import ingest
-from tunix_pipeline.models import ModelError, apply_lora, compute_logits, export_pretrained, load_pretrained, resolve_model_dir
+from tunix_pipeline.config import (
+    FormatParams,
+    IngestParams,
+    LoraParams,
+    ModelParams,
+    RuntimeParams,
+    SftParams,
+    TokenizeParams,
+)
+from tunix_pipeline.data.formatting import format_records
+from tunix_pipeline.data.ingest import ingest
+from tunix_pipeline.data.tokenization import tokenize_split
+from tunix_pipeline.models import (
+    ModelError,
+    apply_lora,
+    compute_logits,
+    export_pretrained,
+    load_pretrained,
+    resolve_model_dir,
+)
 from tunix_pipeline.models.gguf import sha256_file
 from tunix_pipeline.models.hub import read_hf_config
 from tunix_pipeline.planning.architecture import from_hf_config
 from tunix_pipeline.planning.architecture import resolve as resolve_architecture
-from tunix_pipeline.runtime import make_mesh
-from tunix_pipeline.tokenization import tokenize_split
-from tunix_pipeline.training import train
+from tunix_pipeline.run.runtime import make_mesh
+from tunix_pipeline.train.sft import train
 
 from .parity import logits_atol
 

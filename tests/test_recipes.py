@@ -373,9 +373,8 @@ def test_the_judge_recipe_is_the_gemma3_recipe_with_a_gemma3_4b_judge_on_half_th
 def test_every_session_of_the_kaggle_recipes_fits_the_saved_output(params, env):
     """Each session's outputs under /kaggle/working within the 20 GB a notebook saves, the session disk's peak
     within its 73 GB (planning/disk.py, the figures of each recipe's comment and docs/plan.md's Disk section)."""
-    from tunix_pipeline.planning.disk import disk_sessions
     from tunix_pipeline.planning.disk import GB as DISK_GB
-    from tunix_pipeline.planning.disk import plan_disk
+    from tunix_pipeline.planning.disk import disk_sessions, plan_disk
 
     p = params[env]
     plan = _plan(params, env)
@@ -428,26 +427,28 @@ def test_a_misconfigured_recipe_fails_with_a_clear_message(params):
     with pytest.raises(PlanError, match="needs the number of training rows to plan the steps: set plan.train_rows"):
         build_plan(p["model"], p["sft"], p["runtime"], p["tokenize"], p["plan"].model_copy(update={"train_rows": None}))
     # the pod recipe started on one worker without runtime.distributed=auto: it sees its own chips only
-    from tunix_pipeline.runtime import MeshError, make_mesh
+    from tunix_pipeline.run.runtime import MeshError, make_mesh
 
     with pytest.raises(MeshError, match=r"needs 32 devices but JAX sees 8.*runtime\.distributed=auto"):
         make_mesh(params["v4_64_pod"]["runtime"])
 
 
 def test_training_by_epochs_runs_those_steps_and_ends_at_a_barrier(tiny_model_dir, tmp_path, monkeypatch):
-    from tunix_pipeline import checkpoints, runtime, training
     from tunix_pipeline.models import load_model
+    from tunix_pipeline.run import runtime
+    from tunix_pipeline.train import checkpoints, loop
+    from tunix_pipeline.train.sft import train
 
     from .test_export import _rows
 
     barriers = []
-    monkeypatch.setattr(training, "barrier", barriers.append)
+    monkeypatch.setattr(loop, "barrier", barriers.append)
     rows = _rows(n=16, length=24)  # micro-batches of 4 rows on the fsdp 4 x tp 2 mesh: 4 an epoch
     mesh = runtime.make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
     model, _ = load_model(tiny_model_dir, mesh)
     sft = SftParams(max_steps=None, epochs=1.5, per_device_batch_size=1, gradient_accumulation_steps=2,
                     learning_rate=1e-2, checkpoint_every=100, checkpoint_dir=str(tmp_path / "ckpt"))
-    result = training.train(model, rows, rows.head(0), sft, mesh)
+    result = train(model, rows, rows.head(0), sft, mesh)
     assert result["latest_step"] == 3  # 1.5 epochs x 4 micro-batches / 2 per step
     # every process leaves training together, after process 0 wrote the loss history (multi-host)
     assert barriers[-1] == "sft_end" and (tmp_path / "ckpt" / checkpoints.HISTORY_FILE).is_file()

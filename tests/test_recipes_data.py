@@ -11,10 +11,10 @@ import yaml
 from transformers import AutoTokenizer
 
 from tunix_pipeline.config import FormatParams, IngestParams, ModelParams, SftParams, SourceParams, TokenizeParams
-from tunix_pipeline.formatting import format_records
-from tunix_pipeline.ingest import ingest
+from tunix_pipeline.data.formatting import format_records
+from tunix_pipeline.data.ingest import ingest
+from tunix_pipeline.data.tokenization import tokenize_split
 from tunix_pipeline.models import resolve_model_dir
-from tunix_pipeline.tokenization import tokenize_split
 
 from .conftest import ROOT
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from tunix_pipeline import rewards
 from tunix_pipeline.config import GrpoParams, RewardParams
-from tunix_pipeline.rewards import RewardSet
+from tunix_pipeline.train import rewards
+from tunix_pipeline.train.rewards import RewardSet
 
 GOOD = "<reasoning>3 + 4 = 7.</reasoning><answer>7</answer>"
 MALFORMED = [
@@ -158,7 +158,7 @@ def test_custom_reward_that_misbehaves_is_named(custom_module, fn, message):
     [
         ("no_such_reward", "neither a built-in"),
         ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
-        ("tunix_pipeline.rewards:nothing_here", "has no function 'nothing_here'"),
+        ("tunix_pipeline.train.rewards:nothing_here", "has no function 'nothing_here'"),
     ],
 )
 def test_unknown_rewards_are_clear_errors(fn, message):

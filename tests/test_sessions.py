@@ -12,7 +12,7 @@ from kedro.framework.session import KedroSession
 from kedro.framework.startup import bootstrap_project
 from omegaconf import OmegaConf
 
-from tunix_pipeline.sessions import Ledger, SessionPlanDone, apply_current_session
+from tunix_pipeline.run.sessions import Ledger, SessionPlanDone, apply_current_session
 
 from .test_training import formatted  # noqa: F401  (the fixture)
 
@@ -120,7 +120,7 @@ def test_sessions_continue_on_new_data_with_lineage(project):
     bootstrap_project(project)  # 6 h a session: a session's budget runs from the process's start (this pytest's)
     models = project / "data" / "06_models"
     # what an earlier run in this process (a notebook kernel, this test session) left in the hooks must not leak in
-    from tunix_pipeline.hooks import SessionHooks
+    from tunix_pipeline.run.hooks import SessionHooks
     from tunix_pipeline.settings import HOOKS
 
     next(h for h in HOOKS if isinstance(h, SessionHooks))._results = {"grpo_result": {"enabled": True, "checkpoint_dir": "/elsewhere/actor", "latest_step": 4}}
@@ -134,11 +134,11 @@ def test_sessions_continue_on_new_data_with_lineage(project):
     assert (first["latest_step"], first["steps_this_run"]) == (40, 40)
     assert first["checkpoint_dir"] == str((models / "sft_checkpoints" / "gsm").resolve())
     messages = _Messages()
-    logging.getLogger("tunix_pipeline.hooks").addHandler(messages)
+    logging.getLogger("tunix_pipeline.run.hooks").addHandler(messages)
     try:
         second = run()
     finally:
-        logging.getLogger("tunix_pipeline.hooks").removeHandler(messages)
+        logging.getLogger("tunix_pipeline.run.hooks").removeHandler(messages)
     brief = next(m for m in messages.seen if m.startswith("session 2 of 3"))
     assert "continues from session 'gsm' (step 40" in brief and "10 SFT steps" in brief and "of 20 h" in brief
     assert any(m.startswith("session 'alpaca' expects about") and "within its 6 h" in m for m in messages.seen)
@@ -181,12 +181,12 @@ def test_a_lora_run_starts_from_another_runs_adapters(tmp_path, tiny_model_dir, 
     """`sft.init_from` with LoRA: the parent's trained adapters, the same frozen base; a full model refuses them."""
     from flax import nnx
 
-    from tunix_pipeline.checkpoints import start_from
     from tunix_pipeline.config import ModelParams, SftParams, TokenizeParams
+    from tunix_pipeline.data.tokenization import tokenize_split
     from tunix_pipeline.models import load_run_model
-    from tunix_pipeline.runtime import make_mesh
-    from tunix_pipeline.tokenization import tokenize_split
-    from tunix_pipeline.training import train
+    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.train.checkpoints import start_from
+    from tunix_pipeline.train.sft import train
 
     from .test_training import MESH
 

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from tunix_pipeline.synthetic import generate, write_raw_files, write_times_file
+from tunix_pipeline.data.synthetic import generate, write_raw_files, write_times_file
 
 from .conftest import ROOT
 

@@ -1,4 +1,4 @@
-"""A terminal worth reading (`tunix_pipeline.quiet`), and what one smoke run records in MLflow."""
+"""A terminal worth reading (`tunix_pipeline.run.quiet`), and what one smoke run records in MLflow."""
 
 import json
 import logging
@@ -13,7 +13,7 @@ import mlflow
 import pytest
 import yaml
 
-from tunix_pipeline import quiet
+from tunix_pipeline.run import quiet
 
 KEDRO = str(Path(sys.executable).parent / "kedro")
 
@@ -76,7 +76,7 @@ find_spec = importlib.util.find_spec
 importlib.util.find_spec = lambda name, *a, **k: None if name.split(".")[0] == "torch" else find_spec(name, *a, **k)
 sys.modules["torch"] = None
 if sys.argv[1] == "quiet":
-    from tunix_pipeline import quiet
+    from tunix_pipeline.run import quiet
     quiet.install()
 import transformers
 """
@@ -92,7 +92,7 @@ def test_transformers_without_torch_is_quiet_once_installed(mode):
 def test_the_complaint_parser_sees_what_it_should():
     output = "\n".join([
         "LOG|WARNING|absl|/x/tunix/models/foo.py|something new",
-        "LOG|WARNING|tunix_pipeline.hooks|/x/hooks.py|our own warning",
+        "LOG|WARNING|tunix_pipeline.run.hooks|/x/hooks.py|our own warning",
         "LOG|INFO|mlflow.store|/x/y.py|info is fine",
         "/x/site-packages/lib/mod.py:12: FutureWarning: going away",
         "/x/src/tunix_pipeline/mod.py:3: UserWarning: ours",
@@ -114,7 +114,7 @@ def test_smoke_run_terminal_is_quiet_and_its_mlflow_run_is_complete(project):
     result = subprocess.run(command, cwd=project, capture_output=True, text=True, env=env)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
-    assert "LOG|INFO|tunix_pipeline.hooks|" in output, "the plain logging configuration was not used"
+    assert "LOG|INFO|tunix_pipeline.run.hooks|" in output, "the plain logging configuration was not used"
     complaints = upstream_complaints(output)
     assert not complaints, "unlisted upstream warnings (add each to tunix_pipeline/quiet.py with its reason, " \
         "or fix the cause):\n" + "\n".join(complaints)

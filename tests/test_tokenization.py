@@ -3,7 +3,7 @@ import pandas as pd
 import pytest
 
 from tunix_pipeline.config import TokenizeParams
-from tunix_pipeline.tokenization import stack, tokenize_split
+from tunix_pipeline.data.tokenization import stack, tokenize_split
 
 
 def _formatted(prompts, completions):
@@ -56,8 +56,8 @@ def test_prompt_only_rows_are_skipped_and_counted(tokenizer):
 
 def test_the_tokenize_node_says_what_to_do_when_every_training_row_is_a_prompt_only(tiny_model_dir):
     from tunix_pipeline.config import SftParams
+    from tunix_pipeline.data.readers import DataError
     from tunix_pipeline.pipelines.tokenize.nodes import tokenize
-    from tunix_pipeline.readers import DataError
 
     prompts = _formatted(["<bos>write a poem", "<bos>write a song"], ["", ""])
     sft = SftParams(max_steps=10, per_device_batch_size=1, learning_rate=1e-4, checkpoint_every=5)
@@ -102,7 +102,7 @@ def test_packing_fills_rows_and_keeps_examples_apart(tokenizer):
 
 
 def test_the_packing_estimate_of_many_examples_samples_them_within_a_percent():
-    from tunix_pipeline.tokenization import _pack, packed_efficiency
+    from tunix_pipeline.data.tokenization import _pack, packed_efficiency
 
     sizes = np.random.default_rng(0).integers(20, 700, 6000).tolist()  # more than the 4,096 it packs
     exact = sum(sizes) / (len(_pack(sizes, 1024)) * 1024)

@@ -55,7 +55,7 @@ def _tiny_on(memory_gib, **sft):
 
 
 def _preflight(plan, sft, length):
-    from tunix_pipeline.pipelines.plan.nodes import check_sft_fits
+    from tunix_pipeline.pipelines.sft.nodes import check_sft_fits
 
     rows = pd.DataFrame({"input_tokens": [[1] * length] * 4})
     return check_sft_fits({"path": "nowhere"}, rows, None, ModelParams(), sft, RuntimeParams(), TokenizeParams(max_length=length), plan)
@@ -126,7 +126,7 @@ def test_every_familys_activation_shardings_reach_the_tpu_compile(name):
     import jax.numpy as jnp
     from flax import nnx
 
-    from tunix_pipeline.runtime import make_mesh
+    from tunix_pipeline.run.runtime import make_mesh
     from tunix_pipeline.upstream import accelerator_sharding
 
     from .test_logps import tiny_model

@@ -1,4 +1,4 @@
-"""MLflow pieces of `tunix_pipeline.tracking` on a real sqlite store: configuration, long values, the restart rule."""
+"""MLflow pieces of `tunix_pipeline.tracking.mlflow_runs` on a real sqlite store: configuration, long values, the restart rule."""
 
 import json
 from pathlib import Path
@@ -7,8 +7,8 @@ import mlflow
 import pytest
 import yaml
 
-from tunix_pipeline import tracking
 from tunix_pipeline.config import TrackingParams
+from tunix_pipeline.tracking import mlflow_runs
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ PARAMS = {
 
 
 def test_the_resolved_configuration_never_holds_credentials():
-    text = tracking.config_yaml(PARAMS)
+    text = mlflow_runs.config_yaml(PARAMS)
     for secret in ("s3cret", "alice", "abc", "hf_xyz"):
         assert secret not in text
     config = yaml.safe_load(text)
@@ -38,17 +38,17 @@ def test_the_resolved_configuration_never_holds_credentials():
     assert config["sft"] == PARAMS["sft"] and config["ingest"] == PARAMS["ingest"]
     # the digest follows the configuration, not the order of its keys
     reordered = {k: PARAMS[k] for k in reversed(PARAMS)}
-    assert tracking.config_digest(tracking.config_yaml(reordered)) == tracking.config_digest(text)
+    assert mlflow_runs.config_digest(mlflow_runs.config_yaml(reordered)) == mlflow_runs.config_digest(text)
     changed = {**PARAMS, "sft": {**PARAMS["sft"], "max_steps": 11}}
-    assert tracking.config_digest(tracking.config_yaml(changed)) != tracking.config_digest(text)
+    assert mlflow_runs.config_digest(mlflow_runs.config_yaml(changed)) != mlflow_runs.config_digest(text)
 
 
 def test_a_long_parameter_or_tag_becomes_an_artifact(store, tmp_path):
-    long_value = "x" * (tracking.MAX_PARAM_LENGTH + 1)
-    long_tag = "y" * (tracking.MAX_TAG_LENGTH + 1)
-    run = tracking.start_run(store, TrackingParams(experiment="t", log_outputs=[]), {"prompt": {"template": long_value}, "a": 1},
+    long_value = "x" * (mlflow_runs.MAX_PARAM_LENGTH + 1)
+    long_tag = "y" * (mlflow_runs.MAX_TAG_LENGTH + 1)
+    run = mlflow_runs.start_run(store, TrackingParams(experiment="t", log_outputs=[]), {"prompt": {"template": long_value}, "a": 1},
                              tags={"kedro_command": long_tag, "kedro.env": "local"}, run_name="p@local")
-    tracking.end_run(failed=False)
+    mlflow_runs.end_run(failed=False)
     client = mlflow.MlflowClient(store)
     data = client.get_run(run.info.run_id).data
     assert data.params["a"] == "1"
@@ -66,27 +66,27 @@ def test_the_restart_rule(store):
     params = TrackingParams(experiment="t", log_outputs=[])
 
     def run(status, env="local", config=PARAMS):
-        started = tracking.start_run(store, params, config, tags={"kedro.env": env, "kedro_command": "kedro run"})
+        started = mlflow_runs.start_run(store, params, config, tags={"kedro.env": env, "kedro_command": "kedro run"})
         mlflow.end_run(status=status)
         return started.info.run_id
 
-    digest = tracking.config_digest(tracking.config_yaml(PARAMS))
+    digest = mlflow_runs.config_digest(mlflow_runs.config_yaml(PARAMS))
     for status in ("FAILED", "KILLED", "RUNNING"):
         unfinished = run(status)
-        assert tracking.restart_rule(store, unfinished, "local", digest) == (unfinished, {})
+        assert mlflow_runs.restart_rule(store, unfinished, "local", digest) == (unfinished, {})
     finished = run("FINISHED")
-    assert tracking.restart_rule(store, finished, "local", digest) == (None, {"lineage.restart_of": finished})
+    assert mlflow_runs.restart_rule(store, finished, "local", digest) == (None, {"lineage.restart_of": finished})
     other_env = run("FAILED", env="tpu_full")
-    assert tracking.restart_rule(store, other_env, "local", digest) == (None, {"lineage.restart_of": other_env})
+    assert mlflow_runs.restart_rule(store, other_env, "local", digest) == (None, {"lineage.restart_of": other_env})
     other_config = run("FAILED", config={**PARAMS, "sft": {"max_steps": 99}})
-    assert tracking.restart_rule(store, other_config, "local", digest) == (None, {"lineage.restart_of": other_config})
-    assert tracking.restart_rule(store, "0" * 32, "local", digest) == (None, {})  # gone from the store
+    assert mlflow_runs.restart_rule(store, other_config, "local", digest) == (None, {"lineage.restart_of": other_config})
+    assert mlflow_runs.restart_rule(store, "0" * 32, "local", digest) == (None, {})  # gone from the store
 
     # continuing keeps the first command and records the restart's
     unfinished = run("FAILED")
-    tracking.start_run(store, params, PARAMS, tags={"kedro.env": "local", "kedro_command": "kedro run --to-nodes=x"},
+    mlflow_runs.start_run(store, params, PARAMS, tags={"kedro.env": "local", "kedro_command": "kedro run --to-nodes=x"},
                        run_id=unfinished)
-    tracking.end_run(failed=False)
+    mlflow_runs.end_run(failed=False)
     tags = client.get_run(unfinished).data.tags
     assert (tags["kedro_command"], tags["kedro_restart_command"], tags["resumed"]) == (
         "kedro run", "kedro run --to-nodes=x", "true")
@@ -94,14 +94,14 @@ def test_the_restart_rule(store):
 
 
 def test_a_run_started_from_python_records_its_kedro_run_equivalent():
-    command = tracking.kedro_command({
+    command = mlflow_runs.kedro_command({
         "env": "gpu_smoke", "pipeline_names": ["sft", "evaluate"], "from_nodes": ["train_sft"],
         "only_missing_outputs": True, "extra_params": {"sft": {"max_steps": 5}},
     })
     assert command == ("kedro run --env=gpu_smoke --pipelines=sft,evaluate --from-nodes=train_sft "
                        "--only-missing-outputs --params=sft.max_steps=5")
-    assert tracking.is_restart({"only_missing_outputs": True}) and tracking.is_restart({"to_nodes": ["x"]})
-    assert not tracking.is_restart({"only_missing_outputs": False, "from_nodes": [], "to_nodes": None})
+    assert mlflow_runs.is_restart({"only_missing_outputs": True}) and mlflow_runs.is_restart({"to_nodes": ["x"]})
+    assert not mlflow_runs.is_restart({"only_missing_outputs": False, "from_nodes": [], "to_nodes": None})
 
 
 def test_a_hub_source_is_named_with_its_revision(monkeypatch, tmp_path):
@@ -113,8 +113,8 @@ def test_a_hub_source_is_named_with_its_revision(monkeypatch, tmp_path):
         return SourceParams(name="s", format="gsm8k", hf=hf)
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # no hub here: the configured revision, or say so
-    assert tracking._origin(source(path="openai/gsm8k", name="main", revision="e53f048")) == \
+    assert mlflow_runs._origin(source(path="openai/gsm8k", name="main", revision="e53f048")) == \
         "hf:openai/gsm8k[main]/train@e53f048"
-    assert tracking._origin(source(path="openai/gsm8k", split="test")) == "hf:openai/gsm8k/test@unknown (offline)"
-    assert tracking._origin(source(path=str(tmp_path))) == f"hf:{tmp_path}/train@local"  # a folder on disk
-    assert tracking._origin(SourceParams(name="f", format="gsm8k", path="data/01_raw/a.jsonl")) == "data/01_raw/a.jsonl"
+    assert mlflow_runs._origin(source(path="openai/gsm8k", split="test")) == "hf:openai/gsm8k/test@unknown (offline)"
+    assert mlflow_runs._origin(source(path=str(tmp_path))) == f"hf:{tmp_path}/train@local"  # a folder on disk
+    assert mlflow_runs._origin(SourceParams(name="f", format="gsm8k", path="data/01_raw/a.jsonl")) == "data/01_raw/a.jsonl"

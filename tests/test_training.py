@@ -14,15 +14,16 @@ import pandas as pd
 import pytest
 from flax import nnx
 
-from tunix_pipeline.checkpoints import restore_latest
 from tunix_pipeline.config import RuntimeParams, SftParams, TokenizeParams
-from tunix_pipeline.loss import completion_loss, model_inputs
+from tunix_pipeline.data.tokenization import token_arrays, tokenize_split
+from tunix_pipeline.evaluate.evaluation import evaluate_loss
 from tunix_pipeline.models import compute_logits, load_model
-from tunix_pipeline.optim import make_optimizer
-from tunix_pipeline.runtime import MeshError, global_batch_size, make_mesh, process_rows
-from tunix_pipeline.tokenization import token_arrays, tokenize_split
-from tunix_pipeline.evaluation import evaluate_loss
-from tunix_pipeline.training import BatchFeed, train
+from tunix_pipeline.run.runtime import MeshError, global_batch_size, make_mesh, process_rows
+from tunix_pipeline.train.checkpoints import restore_latest
+from tunix_pipeline.train.loop import BatchFeed
+from tunix_pipeline.train.loss import completion_loss, model_inputs
+from tunix_pipeline.train.optim import make_optimizer
+from tunix_pipeline.train.sft import train
 
 from .conftest import ROOT
 from .parity import EPS, logits_atol
@@ -154,7 +155,7 @@ def test_packed_rows_give_the_same_loss_as_unpacked(tiny_model_dir, tokenizer, f
     assert len(packed) < len(plain) / 2
 
     def nll(rows):
-        from tunix_pipeline.loss import token_nll
+        from tunix_pipeline.train.loss import token_nll
 
         out = [token_nll(model, **_batch(rows.iloc[i : i + 1], 1)) for i in range(len(rows))]
         return sum(float(s) for s, _ in out), sum(float(c) for _, c in out)
@@ -562,12 +563,12 @@ def test_warmup_must_fit_in_the_run(tmp_path):
 
 # ---------------------------------------------------------------- the dev split's score: keep the best step
 def test_dev_eval_keeps_and_hands_on_the_best_step(tiny_model_dir, token_rows, formatted, tmp_path, monkeypatch):
-    from tunix_pipeline import evaluation
-    from tunix_pipeline.checkpoints import restore_required, start_from
     from tunix_pipeline.config import ExportParams, FormatParams, ModelParams
-    from tunix_pipeline.dev_eval import CURVE_FILE, DevEval
+    from tunix_pipeline.evaluate import evaluation
+    from tunix_pipeline.evaluate.dev_eval import CURVE_FILE, DevEval
     from tunix_pipeline.models import load_tokenizer
     from tunix_pipeline.pipelines.export import nodes as export_nodes
+    from tunix_pipeline.train.checkpoints import restore_required, start_from
 
     mesh = make_mesh(MESH)
     tokenizer = load_tokenizer(tiny_model_dir)

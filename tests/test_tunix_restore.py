@@ -24,14 +24,22 @@ from tunix.models.gemma import params_safetensors as gemma_safetensors
 from tunix.models.gemma3 import model as gemma3_lib
 from tunix.models.gemma3 import params_safetensors as gemma3_safetensors
 
-from tunix_pipeline.config import ExportParams, FormatParams, GrpoParams, LoraParams, ModelParams, RuntimeParams, SftParams
-from tunix_pipeline.grpo import train_grpo
+from tunix_pipeline.config import (
+    ExportParams,
+    FormatParams,
+    GrpoParams,
+    LoraParams,
+    ModelParams,
+    RuntimeParams,
+    SftParams,
+)
 from tunix_pipeline.models import apply_lora, compute_logits, load_model
 from tunix_pipeline.models.families.gemma2 import Gemma2
 from tunix_pipeline.models.families.gemma3 import Gemma3Text
 from tunix_pipeline.pipelines.export.nodes import export_model
-from tunix_pipeline.runtime import make_mesh
-from tunix_pipeline.training import train
+from tunix_pipeline.run.runtime import make_mesh
+from tunix_pipeline.train.grpo import train_grpo
+from tunix_pipeline.train.sft import train
 
 from .parity import logits_atol, sample_batch, save_hf_model
 
@@ -54,7 +62,7 @@ def _rows(n=16, length=24):
 
 
 def _sft(model_dir, tmp_path, lora: LoraParams | None):
-    """The model trained by our SFT (3 steps, a checkpoint at the last), and what `training.train` returns."""
+    """The model trained by our SFT (3 steps, a checkpoint at the last), and what `sft.train` returns."""
     mesh = make_mesh(RUNTIME)
     model, _ = load_model(model_dir, mesh)
     if lora is not None:

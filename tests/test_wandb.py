@@ -4,11 +4,11 @@ import mlflow
 import pytest
 
 from tunix_pipeline.config import SftParams, TokenizeParams, TrackingParams
+from tunix_pipeline.data.tokenization import tokenize_split
 from tunix_pipeline.models import load_model
-from tunix_pipeline.runtime import make_mesh
-from tunix_pipeline.tokenization import tokenize_split
-from tunix_pipeline.step_metrics import MlflowBackend, metrics_backends
-from tunix_pipeline.training import train
+from tunix_pipeline.run.runtime import make_mesh
+from tunix_pipeline.tracking.step_metrics import MlflowBackend, metrics_backends
+from tunix_pipeline.train.sft import train
 
 from .test_training import MESH, formatted  # noqa: F401  (the fixture)
 

@@ -1,4 +1,4 @@
-"""Runs `training.train` in a process of its own: for the kill -9, SIGTERM and multi-host tests.
+"""Runs `train.sft.train` in a process of its own: for the kill -9, SIGTERM and multi-host tests.
 
 Usage: python tests/train_worker.py '<json spec>'; writes the results and the
 final weights to spec["out"] (process 0 only).
@@ -26,26 +26,28 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from tunix_pipeline import runtime, training  # noqa: E402
 from tunix_pipeline.config import RuntimeParams, SftParams  # noqa: E402
 from tunix_pipeline.models import load_model  # noqa: E402
+from tunix_pipeline.run import runtime  # noqa: E402
+from tunix_pipeline.train import loop
+from tunix_pipeline.train.sft import train
 
 if spec.get("seconds_per_step"):  # slow steps, so that a test can interrupt the run mid-way
-    fetch = training.BatchFeed.load_next_train_batch
+    fetch = loop.BatchFeed.load_next_train_batch
 
     def slow_fetch(self, trainer):
         time.sleep(spec["seconds_per_step"])
         return fetch(self, trainer)
 
-    training.BatchFeed.load_next_train_batch = slow_fetch
+    loop.BatchFeed.load_next_train_batch = slow_fetch
 
 mesh = runtime.make_mesh(RuntimeParams(mesh=spec["mesh"]))
 model, _ = load_model(spec["model_dir"], mesh)
 rows = pd.read_parquet(spec["rows"])
 sft = SftParams(**spec["sft"])
 try:
-    result = training.train(model, rows, rows.head(0), sft, mesh)
-except training.TrainingInterrupted as err:
+    result = train(model, rows, rows.head(0), sft, mesh)
+except loop.TrainingInterrupted as err:
     print(f"interrupted: {err}", flush=True)
     sys.exit(3)
 if jax.process_count() == 1:

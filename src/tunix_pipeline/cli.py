@@ -1,6 +1,6 @@
 """Project CLI: `kedro run` (and `python -m tunix_pipeline`) with user errors as one message.
 
-A user error (`tunix_pipeline.errors.UserError`: bad data, a model that cannot load, a mesh
+A user error (`tunix_pipeline.run.errors.UserError`: bad data, a model that cannot load, a mesh
 that cannot be built, a run that cannot fit; or parameters that fail validation) prints its
 message and exits 1; its text already says what, where and how to fix it, so a screen of
 traceback would only hide it. A full disk or quota, in any stage and whichever library wrote, is a user error
@@ -12,8 +12,8 @@ import click
 from kedro.framework.cli.project import run as kedro_run
 from kedro.validation.exceptions import ParameterValidationError
 
-from tunix_pipeline.disk_full import disk_full_cause, disk_full_error
-from tunix_pipeline.errors import UserError
+from tunix_pipeline.run.disk_full import disk_full_cause, disk_full_error
+from tunix_pipeline.run.errors import UserError
 
 USER_ERRORS = (UserError, ParameterValidationError)
 

@@ -1,16 +1,21 @@
 """Kedro project settings."""
 
-from tunix_pipeline import quiet
+from tunix_pipeline.run import quiet
 
 quiet.install()  # before the imports below and before Kedro builds its config loader: they warn
 
-from tunix_pipeline.hooks import (  # noqa: E402
-    CredentialHooks, OutputHooks, PreflightHooks, RuntimeHooks, SessionHooks, TrackingHooks,
+from tunix_pipeline.run.config_loader import ProjectConfigLoader  # noqa: E402
+from tunix_pipeline.run.hooks import (  # noqa: E402
+    CredentialHooks,
+    OutputHooks,
+    PreflightHooks,
+    RuntimeHooks,
+    SessionHooks,
+    TrackingHooks,
 )
-from tunix_pipeline.config_loader import ProjectConfigLoader  # noqa: E402
 
 _tracking = TrackingHooks()
-# one per concern; the order between them is set by tryfirst / trylast in hooks.py, not by this tuple
+# one per concern; the order between them is set by tryfirst / trylast in run/hooks.py, not by this tuple
 HOOKS = (CredentialHooks(), OutputHooks(), RuntimeHooks(), PreflightHooks(), _tracking, SessionHooks(_tracking))
 
 # OmegaConfigLoader: an unknown --env named, conf/local over any environment, the session's parameters

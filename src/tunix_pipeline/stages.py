@@ -6,7 +6,7 @@ polish stage, the smoke checks and the export. A polish stage starts from its pa
 off or has nothing to learn from it passes that policy on (`skips.passed_through`), so the chain never breaks.
 
 Adding a polish stage: its module (the training), its pipeline package under `pipelines/` (its train node
-named `train_node`, reading `parent_result`, writing `result`, then `evaluate.nodes.evaluate_after`), its
+named `train_node`, reading `parent_result`, writing `result`, then `evaluate.policies.evaluate_after`), its
 config section with `enabled`, `strict` and `checkpoint_dir`, and one entry in `STAGES`.
 """
 

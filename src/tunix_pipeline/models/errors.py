@@ -1,4 +1,4 @@
-from tunix_pipeline.errors import UserError
+from tunix_pipeline.run.errors import UserError
 
 
 class ModelError(UserError, ValueError):

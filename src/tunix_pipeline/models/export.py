@@ -12,8 +12,8 @@ from tunix_pipeline.models.families import family_for
 from tunix_pipeline.models.gguf_export import write_gguf
 from tunix_pipeline.models.loading import origin_of
 from tunix_pipeline.models.lora import merge_lora
-from tunix_pipeline.paths import atomic_folder
-from tunix_pipeline.processes import on_main_process
+from tunix_pipeline.run.paths import atomic_folder
+from tunix_pipeline.run.processes import on_main_process
 
 MAX_SHARD_SIZE = "2GB"
 

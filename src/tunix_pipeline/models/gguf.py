@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from tunix_pipeline.models.errors import ModelError
-from tunix_pipeline.paths import atomic_folder
+from tunix_pipeline.run.paths import atomic_folder
 
 # general.architecture -> transformers' model_type, for the architectures we have a family for
 MODEL_TYPES = {

@@ -27,7 +27,7 @@ from tunix_pipeline.models.families import family_for
 from tunix_pipeline.models.gguf import GEMMAS, MODEL_TYPES
 from tunix_pipeline.models.gguf_vocab import add_vocab, gguf_vocab
 from tunix_pipeline.models.ollama import modelfile
-from tunix_pipeline.paths import atomic_folder
+from tunix_pipeline.run.paths import atomic_folder
 
 ARCHITECTURES = {model_type: arch for arch, model_type in MODEL_TYPES.items()}  # model_type -> llama.cpp arch
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")

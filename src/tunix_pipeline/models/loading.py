@@ -13,7 +13,7 @@ import numpy as np
 from tunix_pipeline.models.errors import ModelError
 from tunix_pipeline.models.families import Family, family_for
 from tunix_pipeline.models.hub import check_folder, load_tokenizer, read_hf_config
-from tunix_pipeline.processes import host_array
+from tunix_pipeline.run.processes import host_array
 
 # model -> (family, config.json) of the checkpoint it came from, for export
 _ORIGINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -9,7 +9,7 @@ from flax import nnx
 from tunix_pipeline.config import LoraParams
 from tunix_pipeline.models.errors import ModelError
 from tunix_pipeline.models.loading import has_origin, origin_of, remember_origin
-from tunix_pipeline.processes import host_array
+from tunix_pipeline.run.processes import host_array
 
 
 def apply_lora(model, lora: LoraParams, mesh: jax.sharding.Mesh | None = None, seed: int = 0):

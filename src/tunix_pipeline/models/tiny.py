@@ -9,7 +9,7 @@ import numpy as np
 
 from tunix_pipeline.config import TinyModelParams
 from tunix_pipeline.models.errors import ModelError
-from tunix_pipeline.paths import atomic_folder
+from tunix_pipeline.run.paths import atomic_folder
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 
@@ -42,9 +42,9 @@ def build_tiny_gemma(out_dir: str | Path, corpus: Iterable[str], spec: TinyModel
     Deterministic for the same corpus and spec; written to a temporary folder
     and moved into place, so a failure never leaves a half-written model.
     """
+    from safetensors.numpy import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import GemmaConfig, PreTrainedTokenizerFast
-    from safetensors.numpy import save_file
 
     texts = list(corpus)
     if not texts:

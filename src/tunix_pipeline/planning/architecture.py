@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from tunix_pipeline.config import ModelParams
-from tunix_pipeline.errors import UserError
+from tunix_pipeline.run.errors import UserError
 
 
 class PlanError(UserError, ValueError):
@@ -288,3 +288,11 @@ def _from_hub(repo: str, revision: str | None) -> dict | None:
 
 def source_is_path_like(source: str) -> bool:
     return source.startswith((".", "/", "data/", "kaggle:")) or source.count("/") != 1
+
+
+def model_flops_per_token(model, seq_len: int, remat: str = "none") -> float:
+    """The plan's count (`Architecture.train_flops_per_token`) for this loaded model: LoRA, remat, attention."""
+    from tunix.sft import utils as sft_utils
+
+    mode = "lora" if sft_utils.is_lora_enabled(model) else "full"
+    return from_tunix_config(model.config).train_flops_per_token(seq_len, mode, remat)

@@ -20,7 +20,7 @@ A step of Tunix's GRPOLearner (our `grpo.py`, vanilla rollout, the actor's mesh 
    accumulated (grpo.py's Tunix micro-batches: the log-probabilities and the gradient; the rollout still
    decodes the whole batch at once).
 
-The reference (`grpo.frozen_copy`) shares the actor's arrays until the actor changes them: a
+The reference (`loop.frozen_copy`) shares the actor's arrays until the actor changes them: a
 whole copy of the weights with full fine-tuning, only the adapters with LoRA.
 `planning.grpo_xla` compiles both phases for a TPU topology; the plan then uses those figures.
 """
@@ -31,8 +31,8 @@ import dataclasses
 import math
 
 from tunix_pipeline.config import GrpoParams, PlanParams
-from tunix_pipeline.planning.architecture import Architecture
 from tunix_pipeline.planning import judge
+from tunix_pipeline.planning.architecture import Architecture
 from tunix_pipeline.planning.decode import decode_line, decode_step, kv_cache_bytes
 from tunix_pipeline.planning.memory import GIB, NF4_BYTES, TrainSetup, estimate_memory, reference_bytes
 from tunix_pipeline.planning.plan import Plan, Row, size

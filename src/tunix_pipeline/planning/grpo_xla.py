@@ -30,7 +30,7 @@ from tunix_pipeline.config import GrpoParams, JudgeParams
 from tunix_pipeline.planning.architecture import Architecture
 from tunix_pipeline.planning.memory import GIB, TrainSetup, estimate_memory
 from tunix_pipeline.planning.xla import abstract, abstract_policy, measure
-from tunix_pipeline.runtime import whole_over_batch
+from tunix_pipeline.run.runtime import whole_over_batch
 from tunix_pipeline.upstream import accelerator_sharding, completion_logits_only
 
 
@@ -38,7 +38,7 @@ def _rows(mesh, sequences: int, shape: tuple, dtype):
     """An abstract batch-major array split over the data-parallel axes when the rows divide them."""
     import jax
 
-    from tunix_pipeline.runtime import BATCH_AXES
+    from tunix_pipeline.run.runtime import BATCH_AXES
 
     dp = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
     spec = jax.sharding.PartitionSpec(*BATCH_AXES) if sequences % dp == 0 else jax.sharding.PartitionSpec()
@@ -91,14 +91,14 @@ def compile_update_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
     from tunix.rl import function_registry
     from tunix.rl.grpo.grpo_learner import TrainExample
 
-    from tunix_pipeline import grpo as grpo_lib
-    from tunix_pipeline.optim import make_optimizer
+    from tunix_pipeline.train.optim import make_optimizer
+    from tunix_pipeline.upstream.rl import algorithm
 
     started = time.perf_counter()
     mesh, model, optimizer, wrt = abstract_policy(arch, setup, layers, lora, devices, make_optimizer(grpo, grpo.max_steps))
     graph, trained, frozen = nnx.split(model, wrt, ...)
     opt_graph, opt_state = nnx.split(optimizer)
-    algo_config, _ = grpo_lib.algorithm(grpo)
+    algo_config, _ = algorithm(grpo)
     algo_config.temperature = grpo.temperature  # as GRPOLearner sets it from the rollout config
     policy_loss = function_registry.get_policy_loss_fn(algo_config.policy_loss_fn)
     # one micro-batch (grpo.micro_batch_size) when the update is split; the whole batch otherwise

@@ -39,8 +39,9 @@ import sys
 import time
 
 from tunix_pipeline.planning.architecture import Architecture, PlanError, from_hf_config
-from tunix_pipeline.upstream import accelerator_sharding
 from tunix_pipeline.planning.memory import TrainSetup
+from tunix_pipeline.upstream import accelerator_sharding
+
 
 def _tunix_config(arch: Architecture, layers: int, remat: str, compute_dtype: str | None = None):
     from tunix_pipeline.models.families import family_for
@@ -78,7 +79,7 @@ def abstract_policy(arch: Architecture, setup: TrainSetup, layers: int, lora, de
     from flax import nnx
 
     from tunix_pipeline.config import RuntimeParams
-    from tunix_pipeline.runtime import make_mesh
+    from tunix_pipeline.run.runtime import make_mesh
 
     family, cfg = _tunix_config(arch, layers, setup.remat, setup.c_dtype)
     mesh = make_mesh(RuntimeParams(mesh=setup.mesh), list(devices)[: setup.devices])
@@ -154,10 +155,10 @@ def compile_step(arch: Architecture, setup: TrainSetup, layers: int | None = Non
     import optax
     from flax import nnx
 
-    from tunix_pipeline.loss import loss_fn_for, model_inputs
-    from tunix_pipeline.optim import make_optimizer
-    from tunix_pipeline.runtime import BATCH_AXES
-    from tunix_pipeline.tokenization import TOKEN_COLUMNS
+    from tunix_pipeline.data.tokenization import TOKEN_COLUMNS
+    from tunix_pipeline.run.runtime import BATCH_AXES
+    from tunix_pipeline.train.loss import loss_fn_for, model_inputs
+    from tunix_pipeline.train.optim import make_optimizer
 
     layers = layers or arch.num_layers
     devices = devices if devices is not None else jax.devices()[: setup.devices]

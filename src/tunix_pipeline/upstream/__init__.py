@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_pipeline.runtime import shard_rows, step_compiler_options
+from tunix_pipeline.run.runtime import shard_rows, step_compiler_options
 from tunix_pipeline.upstream.generation import Sampler, grouped_rollout, in_groups  # noqa: F401
 
 REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -209,7 +209,7 @@ def scalar_listeners_scope():
     """
     from jax._src import monitoring
 
-    from tunix_pipeline.step_metrics import MlflowBackend
+    from tunix_pipeline.tracking.step_metrics import MlflowBackend
 
     def listeners():
         return list(monitoring.get_scalar_listeners())

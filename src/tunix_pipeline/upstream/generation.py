@@ -16,8 +16,8 @@ from flax import nnx
 from tunix.generate import sampler as sampler_lib
 from tunix.generate import utils as sampler_utils
 
-from tunix_pipeline.runtime import without_batch_axes
-from tunix_pipeline.sampling import sample_inverse_cdf
+from tunix_pipeline.evaluate.sampling import sample_inverse_cdf
+from tunix_pipeline.run.runtime import without_batch_axes
 from tunix_pipeline.upstream.rows import Rows, map_cache, prefill_length, stop_string_table
 
 

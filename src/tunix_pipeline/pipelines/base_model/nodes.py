@@ -1,7 +1,7 @@
 import pandas as pd
 
 from tunix_pipeline.config import ModelParams
-from tunix_pipeline.ingest import record_texts
+from tunix_pipeline.data.ingest import record_texts
 from tunix_pipeline.models import model_summary, resolve_model_dir, tunix_config
 
 

@@ -1,6 +1,6 @@
 from kedro.pipeline import Node, Pipeline
 
-from .nodes import evaluate_models
+from tunix_pipeline.evaluate.policies import evaluate_models
 
 
 def create_pipeline(**kwargs) -> Pipeline:

@@ -1,7 +1,7 @@
 import pandas as pd
 
 from tunix_pipeline.config import FormatParams
-from tunix_pipeline.formatting import format_records
+from tunix_pipeline.data.formatting import format_records
 from tunix_pipeline.models import load_tokenizer
 
 

@@ -1,15 +1,15 @@
 import pandas as pd
 
-from tunix_pipeline.checkpoints import restore_required
 from tunix_pipeline.config import GrpoParams, ModelParams, RuntimeParams, TrackingParams
-from tunix_pipeline.dev_eval import log_curve
-from tunix_pipeline.grpo import train_grpo, training_prompts
-from tunix_pipeline.judge import meshes
+from tunix_pipeline.evaluate.dev_eval import log_curve
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
-from tunix_pipeline.rewards import RewardSet
-from tunix_pipeline.skips import NothingToLearn, passed_through, skip_stage
 from tunix_pipeline.stages import GRPO, policy_stage, selected_step, start_of
-from tunix_pipeline.step_metrics import MlflowBackend, metrics_backends
+from tunix_pipeline.tracking.step_metrics import MlflowBackend, metrics_backends
+from tunix_pipeline.train.checkpoints import restore_required
+from tunix_pipeline.train.grpo import train_grpo, training_prompts
+from tunix_pipeline.train.judge import meshes
+from tunix_pipeline.train.rewards import RewardSet
+from tunix_pipeline.train.skips import NothingToLearn, passed_through, skip_stage
 
 
 def run_grpo(

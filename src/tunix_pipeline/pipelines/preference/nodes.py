@@ -4,23 +4,29 @@ import jax
 import mlflow
 import pandas as pd
 
-from tunix_pipeline import pairs
-from tunix_pipeline import preference as pref
-from tunix_pipeline.checkpoints import restore_required
 from tunix_pipeline.config import (
-    FormatParams, GrpoParams, ModelParams, PlanParams, PreferenceParams, RuntimeParams, TrackingParams,
+    FormatParams,
+    GrpoParams,
+    ModelParams,
+    PlanParams,
+    PreferenceParams,
+    RuntimeParams,
+    TrackingParams,
 )
-from tunix_pipeline.formatting import format_records
-from tunix_pipeline.ingest import ingest
+from tunix_pipeline.data.formatting import format_records
+from tunix_pipeline.data.ingest import ingest
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
 from tunix_pipeline.planning import peak_flops_per_device
-from tunix_pipeline.processes import is_main_process
-from tunix_pipeline.rewards import RewardSet
-from tunix_pipeline.judge import meshes
-from tunix_pipeline.runtime import make_mesh
-from tunix_pipeline.skips import NothingToLearn, passed_through, skip_stage
+from tunix_pipeline.run.processes import is_main_process
+from tunix_pipeline.run.runtime import make_mesh
 from tunix_pipeline.stages import PREFERENCE, policy_stage, selected_step, start_of
-from tunix_pipeline.step_metrics import metrics_backends
+from tunix_pipeline.tracking.step_metrics import metrics_backends
+from tunix_pipeline.train import pairs
+from tunix_pipeline.train import preference as pref
+from tunix_pipeline.train.checkpoints import restore_required
+from tunix_pipeline.train.judge import meshes
+from tunix_pipeline.train.rewards import RewardSet
+from tunix_pipeline.train.skips import NothingToLearn, passed_through, skip_stage
 
 log = logging.getLogger(__name__)
 

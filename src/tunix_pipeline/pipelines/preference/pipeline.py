@@ -1,6 +1,6 @@
 from kedro.pipeline import Node, Pipeline
 
-from tunix_pipeline.pipelines.evaluate.nodes import evaluate_after
+from tunix_pipeline.evaluate.policies import evaluate_after
 from tunix_pipeline.stages import PREFERENCE
 
 from .nodes import build_pairs, run_preference

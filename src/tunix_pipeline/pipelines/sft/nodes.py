@@ -1,16 +1,31 @@
+import logging
+
 import jax
 import mlflow
 import pandas as pd
 
-from tunix_pipeline.checkpoints import start_from
-from tunix_pipeline.config import ModelParams, PlanParams, RuntimeParams, SftParams, TrackingParams
-from tunix_pipeline.dev_eval import DevEval, log_curve
+from tunix_pipeline.config import (
+    ExportParams,
+    GrpoParams,
+    ModelParams,
+    PlanParams,
+    PreferenceParams,
+    RuntimeParams,
+    SftParams,
+    TokenizeParams,
+    TrackingParams,
+)
+from tunix_pipeline.evaluate.dev_eval import DevEval, log_curve
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
-from tunix_pipeline.planning import peak_flops_per_device
-from tunix_pipeline.step_metrics import MlflowBackend, metrics_backends
-from tunix_pipeline.tracking import mlflow_name, remember_run
-from tunix_pipeline.runtime import global_batch_size, make_mesh
-from tunix_pipeline.training import train
+from tunix_pipeline.planning import DoesNotFit, build_plan, peak_flops_per_device, refusal, with_xla_check
+from tunix_pipeline.planning.disk import add_disk, disk_sessions, plan_disk
+from tunix_pipeline.run.runtime import global_batch_size, make_mesh
+from tunix_pipeline.tracking.mlflow_runs import mlflow_name, remember_run
+from tunix_pipeline.tracking.step_metrics import MlflowBackend, metrics_backends
+from tunix_pipeline.train.checkpoints import start_from
+from tunix_pipeline.train.sft import train
+
+log = logging.getLogger(__name__)
 
 
 def train_sft(
@@ -60,3 +75,51 @@ def train_sft(
         MlflowBackend().fill_gaps("train/loss", result["loss_history"])
         log_curve(result["dev_curve"], "sft")
     return {**result, **described}
+
+
+def check_sft_fits(
+    base_model: dict,
+    train_tokens: pd.DataFrame,
+    tokenize_report: dict | None,
+    model: ModelParams,
+    sft: SftParams,
+    runtime: RuntimeParams,
+    tokenize: TokenizeParams,
+    plan: PlanParams,
+    preference: PreferenceParams = None,  # plain hints: Kedro validates one type a section
+    grpo: GrpoParams = None,
+    export: ExportParams = None,
+    tracking: TrackingParams = None,
+) -> tuple[dict, dict]:
+    """The sft preflight: stops a run that cannot fit (memory, or this session's outputs on the profile's disk)
+    before any weights are read, warns when it is risky.
+
+    Passes `base_model` through, so the training node runs after it.
+    """
+    if not plan.enabled or sft.max_steps == 0:  # off, or no SFT this session
+        return base_model, {"status": "skipped"}
+    seq_len = len(train_tokens["input_tokens"].iloc[0]) if len(train_tokens) else None
+    result = build_plan(model, sft, runtime, tokenize, plan, base_model.get("path"), seq_len, len(train_tokens),
+                        tokenize_report=tokenize_report)
+    # on a TPU (attached, or a profile's topology with libtpu) the fit is XLA:TPU's compiled figure
+    result = with_xla_check(result, model, plan, tpu_only=True)
+    if export is not None and preference is not None and grpo is not None:  # this session's outputs only
+        result = add_disk(result, plan_disk(
+            result.job.arch, result.selected.setup, result.selected.hw,
+            disk_sessions(model, sft, preference, grpo, {}, result.job.max_steps), export, tracking, runtime.output_root,
+        ))
+    if result.status == "over":
+        raise DoesNotFit(refusal(result))
+    for warning in result.warnings:  # the precision warning among them: updates that round away
+        log.warning("plan: %s", warning)
+    shares = (result.job.precision or {}).get("share_changed")
+    if shares:
+        log.info("plan: a step can change %.1f%% of the trained weights in %s at the peak learning rate, %.1f%% at "
+                 "the schedule's end (%s)", 100 * shares["peak"], result.job.precision["param_dtype"],
+                 100 * shares["end"], result.job.precision["magnitudes"])
+    useful = result.goodput["useful_tokens_per_sec"]
+    log.info("plan: %s on %s: %.2f GiB of %.2f GiB per device, about %.1f h, %s tokens/s%s",
+             result.status, result.selected.profile, result.selected.peak / 2**30,
+             result.selected.usable_bytes / 2**30, result.selected.hours, f"{result.goodput['tokens_per_sec']:,.0f}",
+             "" if useful is None else f" ({useful:,.0f} of them useful)")
+    return base_model, result.summary()

@@ -1,9 +1,8 @@
 from kedro.pipeline import Node, Pipeline
 
 from tunix_pipeline.stages import SFT
-from tunix_pipeline.pipelines.plan.nodes import check_sft_fits
 
-from .nodes import train_sft
+from .nodes import check_sft_fits, train_sft
 
 
 def create_pipeline(**kwargs) -> Pipeline:

@@ -1,4 +1,4 @@
-from tunix_pipeline.paths import storage_path
+from tunix_pipeline.run.paths import storage_path
 from tunix_pipeline.stages import POLISH, SFT
 
 MAX_LOSS_RATIO = 0.6

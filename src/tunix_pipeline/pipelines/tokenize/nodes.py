@@ -3,9 +3,9 @@ import logging
 import pandas as pd
 
 from tunix_pipeline.config import SftParams, TokenizeParams
-from tunix_pipeline.readers import DataError
+from tunix_pipeline.data.readers import DataError
+from tunix_pipeline.data.tokenization import tokenize_split
 from tunix_pipeline.models import load_tokenizer
-from tunix_pipeline.tokenization import tokenize_split
 
 log = logging.getLogger(__name__)
 

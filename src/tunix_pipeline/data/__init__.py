@@ -1,0 +1,1 @@
+"""Rows, from any source to fixed-length token arrays: readers, fields, ingest, chat formatting, tokenization, answers."""

@@ -1,0 +1,170 @@
+"""Policies measured side by side on the eval split: the base model against SFT's (`evaluate_models`), and each
+polish stage against the policy it started from (`evaluate_after`), with the judge and lm-evaluation-harness
+where they are on."""
+
+import logging
+
+import pandas as pd
+
+from tunix_pipeline.config import EvaluateParams, ModelParams, RuntimeParams
+from tunix_pipeline.evaluate import evaluation
+from tunix_pipeline.evaluate import harness as harness_lib
+from tunix_pipeline.models import load_run_model, load_tokenizer
+from tunix_pipeline.run.runtime import make_mesh
+from tunix_pipeline.stages import Stage, selected_step
+from tunix_pipeline.train.checkpoints import restore_required
+
+log = logging.getLogger(__name__)
+
+
+def _evaluator(eval_tokens, eval_formatted, base_model, sft_result, model, params, runtime):
+    mesh = make_mesh(runtime)
+    judge = _judge(params, mesh)  # a judge source that cannot resolve fails before the policy loads
+    tokenizer = load_tokenizer(base_model["path"])
+    # a QLoRA run is evaluated on its full-precision base, as it is exported
+    network, _ = load_run_model(base_model["path"], model, mesh, quantize=False)
+    # the eval loss in SFT's micro-batches: rows of SFT's length that fit with their gradients fit without
+    loss_batch_size = sft_result.get("micro_batch_size") or sft_result["global_batch_size"]
+    return network, evaluation.Evaluator(network, tokenizer, mesh, params, eval_tokens, eval_formatted, loss_batch_size,
+                                         judge, runtime.decode_weights)
+
+
+def _judge(params: EvaluateParams, mesh):
+    """The judge (its model loads on first use), one per evaluation node; None without `evaluate.judge`."""
+    if params.judge is None:
+        return None
+    from tunix_pipeline.train.judge import Judge  # imported only when configured: it brings a second model's code
+
+    return Judge(params.judge, mesh)
+
+
+def _harness(network, evaluator, base_model, eval_formatted, params: EvaluateParams):
+    """lm-eval over the same loaded model (weights restored in place), or None when `harness.enabled` is off."""
+    if not params.harness.enabled:
+        return None
+    return harness_lib.Harness(network, evaluator.tokenizer, evaluator.mesh, params.harness, base_model["path"], eval_formatted)
+
+
+def _with_harness(results: dict, report: str, harness_results: dict, delta: tuple[str, str]) -> str:
+    """lm-eval's scores beside ours: a report section, and `harness` in the metrics (its settings under
+    `lm_eval`, which MLflow gets as parameters)."""
+    if not harness_results:
+        return report
+    labels = list(harness_results)
+    results["harness"] = {label: harness_results[label]["scores"] for label in labels}
+    results["harness"]["lm_eval"] = harness_results[labels[0]]["settings"]
+    return report + "\n" + harness_lib.report(harness_results, delta=delta if set(delta) <= set(labels) else None)
+
+
+def _empty_split(eval_tokens: pd.DataFrame, eval_formatted: pd.DataFrame) -> bool:
+    if len(eval_tokens) or len(eval_formatted):
+        return False
+    log.warning("evaluate: the eval split is empty; set `ingest.eval_fraction` above 0 to evaluate")
+    return True
+
+
+def evaluate_models(
+    eval_tokens: pd.DataFrame,
+    eval_formatted: pd.DataFrame,
+    base_model: dict,
+    sft_result: dict,
+    model: ModelParams,
+    params: EvaluateParams,
+    runtime: RuntimeParams,
+):
+    """The same metrics for the base and the fine-tuned model: loss on the eval rows, generation on a few."""
+    curve = evaluation.training_curves({"sft": sft_result.get("loss_history")})
+    evaluation.log_figure(curve, "loss_curve.png")
+    if _empty_split(eval_tokens, eval_formatted):
+        reason = "the eval split is empty (set `ingest.eval_fraction` above 0)"
+        return {"empty_eval_split": True}, pd.DataFrame(columns=evaluation.SAMPLE_COLUMNS), evaluation.empty_report(reason), curve
+    if params.harness.enabled:
+        harness_lib.check(params.harness)  # before any weights load
+    network, evaluator = _evaluator(eval_tokens, eval_formatted, base_model, sft_result, model, params, runtime)
+    harness = _harness(network, evaluator, base_model, eval_formatted, params)
+    results, samples, harness_results = {}, {}, {}
+    if params.compare_base_model:
+        results["base"], samples["base"] = evaluator.measure("base")
+        if harness:
+            harness_results["base"] = harness.measure("base")
+    step = restore_required(network, sft_result["checkpoint_dir"], "sft", "evaluate", selected_step(sft_result))
+    results["tuned"], samples["tuned"] = evaluator.measure("tuned")
+    results["tuned"]["checkpoint_step"] = step
+    if harness:
+        harness_results["tuned"] = harness.measure("tuned")
+        harness.close()
+    evaluation.with_paired(results, samples, "base", "tuned")
+    report = "# Evaluation\n\n" + evaluation.score_table(results) + "\n"
+    report += evaluation.markdown_table(results, delta=("base", "tuned") if "base" in results else None)
+    report += evaluation.open_ended_note(results)
+    report = _with_harness(results, report, harness_results, ("base", "tuned"))
+    return results, pd.concat(samples.values(), ignore_index=True), report, curve
+
+
+def evaluate_after(stage: Stage):
+    """The node that measures a polish stage's policy beside the policy it started from (its parent's: SFT's, or
+    the preference stage's), both here (one compiled sampler serves both), so the stage's pipeline runs from a
+    checkpoint alone; the base model is in the first evaluation's report."""
+
+    def evaluate_after_stage(
+        eval_tokens: pd.DataFrame,
+        eval_formatted: pd.DataFrame,
+        base_model: dict,
+        sft_result: dict,
+        result: dict,
+        model: ModelParams,
+        params: EvaluateParams,
+        runtime: RuntimeParams,
+    ):
+        title = result.get("method", stage.title).upper() if stage.name == "preference" else stage.title
+        curve = evaluation.training_curves({"sft": sft_result.get("loss_history"), stage.name: result.get("history")},
+                                           titles={stage.name: title})
+        evaluation.log_figure(curve, f"{stage.name}_curves.png")
+        return (*_after_stage(stage, title, eval_tokens, eval_formatted, base_model, sft_result, result, model,
+                              params, runtime), curve)
+
+    evaluate_after_stage.__name__ = evaluate_after_stage.__qualname__ = f"evaluate_after_{stage.name}"
+    return evaluate_after_stage
+
+
+def _after_stage(stage: Stage, title, eval_tokens, eval_formatted, base_model, sft_result, result, model, params,
+                 runtime):
+    """(metrics, samples, report) of the stage's policy against the policy it started from."""
+    empty = pd.DataFrame(columns=evaluation.SAMPLE_COLUMNS)
+    if result.get("skipped"):
+        return ({f"{stage.name}_skipped": True, "skip_reason": result["skip_reason"]}, empty,
+                evaluation.empty_report(f"{title} was skipped: {result['skip_reason']}"))
+    if not result.get("enabled"):
+        return ({f"{stage.name}_enabled": False}, empty,
+                evaluation.empty_report(f"{title} is off (`{stage.name}.enabled: false`)"))
+    if _empty_split(eval_tokens, eval_formatted):
+        reason = "the eval split is empty (set `ingest.eval_fraction` above 0)"
+        return {"empty_eval_split": True}, empty, evaluation.empty_report(reason)
+    if params.harness.enabled:
+        harness_lib.check(params.harness)  # before any weights load
+    network, evaluator = _evaluator(eval_tokens, eval_formatted, base_model, sft_result, model, params, runtime)
+    harness = _harness(network, evaluator, base_model, eval_formatted, params)
+    start = result["start_stage"]  # the policy it started from, labelled with the stage that trained it
+    results, samples, harness_results = {}, {}, {}
+    # each at the step handed on: its dev-selected one (`dev_eval`), else the latest
+    for label, checkpoint_dir, selected in ((start, result["start_checkpoint_dir"], result.get("start_selected")),
+                                            (stage.name, result["checkpoint_dir"], selected_step(result))):
+        step = restore_required(network, checkpoint_dir, label, "evaluate", selected)
+        results[label], samples[label] = evaluator.measure(label)
+        results[label]["checkpoint_step"] = step
+        if harness:
+            harness_results[label] = harness.measure(label)
+    if harness:
+        harness.close()
+    if "heldout_pair_accuracy" in result:
+        results[stage.name]["heldout_pair_accuracy"] = result["heldout_pair_accuracy"]
+        results[start]["heldout_pair_accuracy"] = result["heldout_pair_accuracy_before"]
+    evaluation.with_paired(results, samples, start, stage.name)
+    report = f"# Evaluation after {title}\n\n" + evaluation.score_table(results) + "\n"
+    report += evaluation.markdown_table(results, delta=(start, stage.name))
+    report += evaluation.open_ended_note(results)
+    if result.get("reward_trend"):
+        rewards = ", ".join(f"{h['reward']:.2f}" for h in result["history"] if h.get("reward") is not None)
+        report += f"\nGRPO's {result['reward_trend']['summary']} ({rewards}).\n"
+    report = _with_harness(results, report, harness_results, (start, stage.name))
+    return results, pd.concat(samples.values(), ignore_index=True), report

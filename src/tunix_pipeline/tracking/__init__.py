@@ -1,0 +1,1 @@
+"""MLflow: the run, its parameters and outputs, per-step metrics, the model registry."""

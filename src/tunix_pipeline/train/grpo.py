@@ -1,0 +1,292 @@
+"""GRPO polish with Tunix's `RLCluster` + `GRPOLearner` (vanilla rollout), from the SFT checkpoint.
+
+What we add around Tunix, through its own seams:
+- prompts that fit `max_prompt_length` (longer ones are skipped and counted), fed in
+  seeded, reproducible batches as numpy arrays (a Python list would be split by
+  Tunix's `jax.tree.map`), so a resumed run continues with the same data;
+- weighted, pluggable rewards (`rewards.RewardSet`) and their per-step mean and
+  spread as metrics; everything Tunix logs reaches MLflow through our metrics backend;
+- a frozen reference copy of the SFT policy for the KL term (none when beta is 0);
+  it shares the actor's arrays until the actor changes them, so with LoRA the
+  base weights are held once;
+- a new sampling seed per step (Tunix's rollout otherwise reuses one key every step);
+- checkpoints every `checkpoint_every` steps and at the last step (with Tunix's
+  step metadata), resumed automatically, and a reward/KL history kept beside them;
+- with `grpo.dev_eval`, the dev split scored every N steps and the best step kept (`dev_eval`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import jax
+import numpy as np
+import pandas as pd
+
+from tunix_pipeline import upstream
+from tunix_pipeline.config import GrpoParams
+from tunix_pipeline.evaluate.dev_eval import DevEval, no_dev_eval
+from tunix_pipeline.evaluate.generation import fitting_prompts, gathers_weights
+from tunix_pipeline.run import progress
+from tunix_pipeline.run.errors import UserError
+from tunix_pipeline.run.paths import storage_path
+from tunix_pipeline.run.processes import barrier
+from tunix_pipeline.train import checkpoints
+from tunix_pipeline.train.loop import frozen_copy
+from tunix_pipeline.train.optim import make_optimizer
+from tunix_pipeline.train.rewards import REWARD_COLUMNS, RewardSet
+from tunix_pipeline.train.skips import NothingToLearn
+from tunix_pipeline.upstream.rl import algorithm
+
+log = logging.getLogger(__name__)
+HISTORY_FILE = "grpo_history.json"
+
+
+class GrpoError(UserError, ValueError):
+    """A GRPO set-up that cannot run (a batch that does not divide the mesh, ...)."""
+
+
+# ---------------------------------------------------------------- data
+def prompt_pool(rows: pd.DataFrame, max_prompts: int | None, seed: int) -> pd.DataFrame:
+    """A seeded sample of `max_prompts` rows (all of them when None or when there are no more)."""
+    if max_prompts is None or len(rows) <= max_prompts:
+        return rows
+    return rows.sample(n=max_prompts, random_state=seed).reset_index(drop=True)
+
+
+class PromptFeed:
+    """Seeded epochs of full prompt batches; batch `i` is the same in every run (resume replays the order).
+
+    Each batch also moves the rollout's sampling seed on, so steps draw fresh samples.
+    """
+
+    def __init__(self, rows: pd.DataFrame, batch_size: int, seed: int, rollout_config=None):
+        if len(rows) < batch_size:
+            raise GrpoError(f"{len(rows)} prompts cannot fill one GRPO batch of {batch_size}; lower `grpo.batch_size`")
+        self.columns = {"prompts": rows["prompt"].astype(str).to_numpy()}
+        for key, column in REWARD_COLUMNS.items():
+            if column in rows:
+                self.columns[key] = rows[column].astype(str).to_numpy()
+        self.batch_size, self.seed, self.rollout_config = batch_size, seed, rollout_config
+
+    def __iter__(self):
+        n = len(self.columns["prompts"])
+        rng = np.random.default_rng(self.seed)
+        step = 0
+        while True:
+            order = rng.permutation(n)
+            for start in range(0, n - self.batch_size + 1, self.batch_size):
+                idx = order[start : start + self.batch_size]
+                if self.rollout_config is not None:
+                    upstream.move_rollout_seed(self.rollout_config, self.seed * 1_000_003 + step)
+                step += 1
+                yield {k: v[idx] for k, v in self.columns.items()}
+
+
+# ---------------------------------------------------------------- Tunix pieces
+
+
+# ---------------------------------------------------------------- the run
+def train_grpo(
+    model, tokenizer, train_formatted: pd.DataFrame, params: GrpoParams, mesh: jax.sharding.Mesh,
+    metrics_backends: list | None = None, judge_mesh: jax.sharding.Mesh | None = None, decode_weights: str = "sharded",
+    eval_formatted: pd.DataFrame | None = None,
+) -> dict:
+    """GRPO on `model` in place (full weights or LoRA adapters), judges on `judge_mesh`, else `mesh`; resumes.
+    `decode_weights`: the rollouts', `runtime.decode_weights`; `eval_formatted`: its dev rows for `grpo.dev_eval`."""
+    from tunix.rl import rl_cluster as rl_cluster_lib
+
+    rewards = RewardSet(params.rewards, judge_mesh or mesh)
+    rows, too_long = training_prompts(train_formatted, tokenizer, params, mesh)
+    root = storage_path(params.checkpoint_dir, "grpo.checkpoint_dir")  # a gs:// URI reaches Orbax as it is
+    rollout = _rollout_config(params, tokenizer)
+    algo_config, learner_cls = algorithm(params)
+    dev = DevEval(params.dev_eval, tokenizer, eval_formatted, "grpo", decode_weights) if params.dev_eval else None
+    cluster_config = _cluster_config(params, mesh, root, checkpoints.logger_options(root, metrics_backends), rollout,
+                                     gathers_weights(decode_weights, model), dev)
+    # the reference is the SFT policy as it is now, before any GRPO checkpoint is restored into the actor
+    reference = frozen_copy(model) if algo_config.beta else None
+    # `with mesh:` and not `jax.set_mesh`: under the latter Tunix's optimizer sharding step fails;
+    # log-probs make logits at the completion's positions only, not the prompt's
+    with upstream.scalar_listeners_scope(), upstream.completion_logits_only(), mesh:
+        cluster = rl_cluster_lib.RLCluster(actor=model, reference=reference, tokenizer=tokenizer,
+                                           cluster_config=cluster_config)
+        start_step = cluster.actor_trainer.train_steps
+        history = checkpoints.load_history(root, start_step, HISTORY_FILE)
+        if dev:  # its curve beside the reward history; the checkpoints it keeps are the actor's
+            dev.start(cluster.actor_trainer, mesh, root, params.batch_size)
+        started = time.perf_counter()
+        _learn(cluster, lambda: learner_cls(rl_cluster=cluster, algo_config=algo_config,
+                                            reward_fns=rewards.tunix_reward_fns(), metric_fns=[rewards.metric_fn]),
+               PromptFeed(rows, params.batch_size, params.seed, rollout), start_step, params.max_steps, root)
+        seconds = time.perf_counter() - started
+        end_step = cluster.actor_trainer.train_steps
+        if dev:
+            dev.catch_up(end_step, mesh)
+
+    history += _new_history(cluster.actor_trainer.metrics_logger, rewards, start_step, end_step, params)
+    checkpoints.save_history(root, history, HISTORY_FILE)
+    barrier("grpo_end")  # multi-host: no process goes on before process 0 has written the history, as after SFT
+    trend = reward_trend(history)
+    if trend:
+        log.info("grpo: %s", trend["summary"])
+    return {
+        "enabled": True,
+        "checkpoint_dir": str(root / "actor"),
+        "latest_step": end_step,
+        "resumed_from_step": start_step,
+        "steps_this_run": end_step - start_step,
+        "loss_variant": params.loss_variant,
+        "beta": params.beta,
+        "reference_model": reference is not None,
+        "rewards": dict(rewards.weights),
+        "prompts": len(rows),
+        "prompts_too_long": too_long,
+        "completions_per_step": params.batch_size * params.num_generations,
+        "first_reward": history[0].get("reward") if history else None,
+        "last_reward": history[-1].get("reward") if history else None,
+        "reward_trend": trend,
+        "history": history,
+        "train_seconds": seconds,
+        **(dev.summary(end_step) if dev else no_dev_eval(end_step)),
+    }
+
+
+def _learn(cluster, learner, feed: PromptFeed, start_step: int, max_steps: int, root) -> None:
+    """`learner()` trains the cluster's actor from `start_step` to `max_steps`; at `max_steps` already, it closes."""
+    if start_step >= max_steps:
+        log.info("grpo: checkpoint step %d already reaches grpo.max_steps=%d; nothing to train", start_step, max_steps)
+        cluster.close()
+        return
+    if start_step:
+        log.info("resuming GRPO from checkpoint step %d in %s", start_step, root / "actor")
+    cluster.actor_trainer.with_training_hooks(progress.training_hooks("grpo"))
+    learner().train(feed)
+
+
+def training_prompts(train_formatted: pd.DataFrame, tokenizer, params: GrpoParams, mesh) -> tuple[pd.DataFrame, int]:
+    """(the prompts that fit `max_prompt_length`, at most `max_prompts` of them; how many did not fit).
+
+    A (micro-)batch that does not divide the mesh is a `GrpoError`; too few prompts to fill one batch is
+    `NothingToLearn` (the node skips the stage unless `grpo.strict`).
+    """
+    from tunix_pipeline.run.runtime import data_parallel_size
+
+    micro = (params.micro_batch_size or params.batch_size) * params.num_generations
+    if micro % data_parallel_size(mesh):
+        what = "grpo.micro_batch_size" if params.micro_batch_size else "grpo.batch_size"
+        raise GrpoError(
+            f"{what} x grpo.num_generations = {micro} completions at a time must divide over the "
+            f"{data_parallel_size(mesh)} data-parallel devices of the mesh {dict(mesh.shape)}"
+        )
+    rows, too_long = fitting_prompts(train_formatted, tokenizer, params.max_prompt_length,
+                                     setting="grpo.max_prompt_length")
+    if len(rows) < params.batch_size:
+        raise NothingToLearn(
+            "grpo",
+            f"{len(rows)} of {len(train_formatted)} training prompts fit grpo.max_prompt_length="
+            f"{params.max_prompt_length} tokens ({too_long} too long), and one batch takes grpo.batch_size="
+            f"{params.batch_size}",
+            "raise grpo.max_prompt_length" + (", or lower grpo.batch_size" if len(rows) else ""),
+        )
+    return prompt_pool(rows, params.max_prompts, params.seed), too_long
+
+
+def _rollout_config(params: GrpoParams, tokenizer):
+    """Tunix's sampling settings for the rollouts: lengths, KV cache, temperature / top-p / top-k, stop tokens."""
+    from tunix.rl.rollout import base_rollout
+
+    from tunix_pipeline.evaluate.generation import end_tokens
+
+    return base_rollout.RolloutConfig(
+        max_tokens_to_generate=params.max_completion_length,
+        max_prompt_length=params.max_prompt_length,
+        kv_cache_size=params.max_prompt_length + params.max_completion_length,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        eos_tokens=end_tokens(tokenizer),
+    )
+
+
+def _cluster_config(params: GrpoParams, mesh, root, logging_options, rollout, gather_weights: bool, dev=None):
+    """Actor, reference and rollout on one mesh (the rollout's weights gathered with `gather_weights`); the actor's
+    optimizer, steps and checkpoints (also at `dev`'s steps, keeping its best)."""
+    from tunix.rl import rl_cluster as rl_cluster_lib
+
+    from tunix_pipeline.run.runtime import BATCH_AXES
+
+    roles = rl_cluster_lib.Role
+    return rl_cluster_lib.ClusterConfig(
+        role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},
+        rollout_engine=functools.partial(upstream.grouped_rollout(), group_size=params.num_generations,
+                                         gather_weights=gather_weights),
+        offload_to_cpu=False,
+        training_config=rl_cluster_lib.RLTrainingConfig(
+            actor_optimizer=make_optimizer(params, params.max_steps),
+            eval_every_n_steps=params.max_steps + 1,
+            max_steps=params.max_steps,
+            checkpoint_root_directory=str(root),
+            checkpointing_options=checkpoints.options(params.checkpoint_every, params.keep_checkpoints,
+                                                      params.max_steps, dev),
+            metrics_logging_options=logging_options,
+            data_sharding_axis=BATCH_AXES,
+            pbar_description="grpo",
+            # micro-batches for the log-probs and the gradient (accumulated: one update a step); generation
+            # keeps no activations, so it samples the whole batch at once, the same completions as unsplit
+            mini_batch_size=params.batch_size if params.micro_batch_size else None,
+            train_micro_batch_size=params.micro_batch_size,
+            rollout_micro_batch_size=params.batch_size if params.micro_batch_size else None,
+        ),
+        rollout_config=rollout,
+    )
+
+
+def reward_trend(history: list[dict]) -> dict | None:
+    """Does the mean reward rise over the steps? Both a positive least-squares slope and a last third
+    above the first third, so one lucky step at either end does not decide it. None under 3 steps."""
+    rewards = np.asarray([h["reward"] for h in history if h.get("reward") is not None], dtype=np.float64)
+    if len(rewards) < 3:
+        return None
+    third = len(rewards) // 3
+    slope = float(np.polyfit(np.arange(len(rewards)), rewards, 1)[0])
+    first, last = float(rewards[:third].mean()), float(rewards[-third:].mean())
+    rises = slope > 0 and last > first
+    summary = (
+        f"mean reward {'rises' if rises else 'does not rise'} over {len(rewards)} steps: slope {slope:+.3f} a step, "
+        f"first third {first:.3f}, last third {last:.3f}"
+    )
+    return {"slope_per_step": slope, "first_third": first, "last_third": last, "rises": rises, "summary": summary}
+
+
+def _new_history(logger, rewards: RewardSet, start_step: int, end_step: int, params: GrpoParams) -> list[dict]:
+    """One entry per rollout batch of this run: total reward, each reward's mean, KL, completion length, each
+    judge's seconds and malformed replies.
+
+    `step` is the actor's optimizer step after that batch (`num_iterations` updates per batch).
+    """
+    if end_step <= start_step:
+        return []
+    series = {
+        "reward": checkpoints.metric_history(logger, "reward", "total/mean"),
+        "reward_std": checkpoints.metric_history(logger, "reward", "total/std"),
+        "completion_length": checkpoints.metric_history(logger, "completions", "mean_length"),
+        **{f"reward/{n}": checkpoints.metric_history(logger, "reward", f"{n}/mean") for n in rewards.names},
+        **{f"judge/{n}/{m}": checkpoints.metric_history(logger, "judge", f"{n}/{m}")
+           for n in rewards.judges for m in ("seconds", "malformed")},
+    }
+    batches = len(series["reward"])
+    kl = checkpoints.metric_history(logger, "actor", "kl") if params.beta else np.array([])
+    if params.num_iterations > 1 and len(kl) == batches * params.num_iterations:
+        kl = kl.reshape(batches, params.num_iterations).mean(axis=1)
+    series["kl"] = kl
+    history = []
+    for i in range(batches):
+        entry = {"step": min(start_step + (i + 1) * params.num_iterations, end_step)}
+        for key, values in series.items():
+            entry[key] = float(values[i]) if i < len(values) else None
+        history.append(entry)
+    return history
