@@ -180,7 +180,7 @@ def worker_ours(settings: dict, model_dir: str) -> dict:
     from tunix_pipeline.evaluate.generation import prompt_lengths
     from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
     from tunix_pipeline.run import runtime
-    from tunix_pipeline.train.grpo import train_grpo
+    from tunix_pipeline.train.grpo import prepare, train_grpo
 
     clock = {"generation": [], "scoring": [], "ends": [], "first_start": None, "compile_at_end": []}
     timer = common.CompileTimer()
@@ -226,7 +226,8 @@ def worker_ours(settings: dict, model_dir: str) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             params = grpo_params(settings, str(Path(tmp) / "grpo"))
             started, cpu = time.perf_counter(), os.times()
-            result = train_grpo(model, tokenizer, formatted, params, mesh, metrics_backends=[_Recorder])
+            result = train_grpo(model, tokenizer, prepare(formatted, tokenizer, params, mesh), params, mesh,
+                                metrics_backends=[_Recorder])
             wall, cpu = time.perf_counter() - started, cpu_seconds(cpu)
     finally:  # the classes as they were (a test may run this worker in its process)
         for owner, name, original in originals:

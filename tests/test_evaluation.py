@@ -297,7 +297,7 @@ def test_empty_eval_split_gives_a_report_not_a_crash():
     from tunix_pipeline.evaluate.policies import evaluate_models
 
     empty = pd.DataFrame(columns=["id", "prompt", "answer"])
-    sft_result = {"loss_history": [{"step": 1, "loss": 2.0}], "checkpoint_dir": "nowhere"}
+    sft_result = {"history": [{"step": 1, "loss": 2.0}], "checkpoint_dir": "nowhere"}
     metrics, samples, report, curve = evaluate_models(
         empty, empty, {"path": "nowhere"}, sft_result, ModelParams(), EvaluateParams(), MESH
     )

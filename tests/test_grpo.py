@@ -118,9 +118,9 @@ def test_frozen_copy_shares_arrays_until_the_model_changes(tiny_model_dir):
 
 def test_batch_must_divide_over_the_data_devices(tiny_model_dir, tokenizer, formatted, tmp_path):
     with pytest.raises(grpo.GrpoError, match=r"= 6 completions at a time must divide over the 4 data-parallel"):
-        grpo.train_grpo(None, tokenizer, formatted, _params(tmp_path, batch_size=3), make_mesh(MESH))
+        grpo.prepare(formatted, tokenizer, _params(tmp_path, batch_size=3), make_mesh(MESH))
     with pytest.raises(grpo.GrpoError, match=r"grpo.micro_batch_size x grpo.num_generations = 2 completions at a"):
-        grpo.train_grpo(None, tokenizer, formatted, _params(tmp_path, micro_batch_size=1), make_mesh(MESH))
+        grpo.prepare(formatted, tokenizer, _params(tmp_path, micro_batch_size=1), make_mesh(MESH))
     with pytest.raises(ValueError, match=r"micro_batch_size \(3\) must divide batch_size \(4\)"):
         _params(tmp_path, batch_size=4, micro_batch_size=3)
     from tunix_pipeline.train.skips import NothingToLearn
@@ -128,7 +128,7 @@ def test_batch_must_divide_over_the_data_devices(tiny_model_dir, tokenizer, form
     with pytest.raises(NothingToLearn, match=rf"0 of {len(formatted)} training prompts fit grpo.max_prompt_length=4 "
                        rf"tokens \({len(formatted)} too long\), and one batch takes grpo.batch_size=2: raise "
                        r"grpo.max_prompt_length\Z"):
-        grpo.train_grpo(None, tokenizer, formatted, _params(tmp_path, max_prompt_length=4), make_mesh(MESH))
+        grpo.prepare(formatted, tokenizer, _params(tmp_path, max_prompt_length=4), make_mesh(MESH))
 
 
 def test_metric_listener_scope_removes_what_it_added():
@@ -155,7 +155,8 @@ def test_grpo_full_weights_trains_checkpoints_and_resumes(tiny_model_dir, tokeni
     batches = []  # what the rollout's sampler was asked: (completions, group size, made of groups?)
     in_groups = upstream.generation.in_groups
     monkeypatch.setattr(upstream.generation, "in_groups", lambda t, g: batches.append((len(t), g, in_groups(t, g))) or batches[-1][2])
-    result = grpo.train_grpo(model, tokenizer, formatted, params, mesh)
+    inputs = grpo.prepare(formatted, tokenizer, params, mesh)
+    result = grpo.train_grpo(model, tokenizer, inputs, params, mesh)
     # each step's G completions of a prompt arrive as G copies in a row: one prefill per prompt
     assert batches == [(params.batch_size * params.num_generations, params.num_generations, True)] * 2
 
@@ -182,14 +183,15 @@ def test_grpo_full_weights_trains_checkpoints_and_resumes(tiny_model_dir, tokeni
 
     # a longer budget resumes from step 2; the same budget again trains nothing
     model, _ = load_model(tiny_model_dir, mesh, "float32")
-    resumed = grpo.train_grpo(model, tokenizer, formatted, _params(tmp_path, max_steps=3), mesh)
+    longer = _params(tmp_path, max_steps=3)
+    resumed = grpo.train_grpo(model, tokenizer, grpo.prepare(formatted, tokenizer, longer, mesh), longer, mesh)
     assert (resumed["resumed_from_step"], resumed["latest_step"], resumed["steps_this_run"]) == (2, 3, 1)
     assert [h["step"] for h in resumed["history"]] == [1, 2, 3]
     assert result["reward_trend"] is None  # 2 steps: too few to call a trend
     trend, rewards = resumed["reward_trend"], [h["reward"] for h in resumed["history"]]
     assert (trend["first_third"], trend["last_third"]) == (rewards[0], rewards[2])
     model, _ = load_model(tiny_model_dir, mesh, "float32")
-    again = grpo.train_grpo(model, tokenizer, formatted, _params(tmp_path, max_steps=3), mesh)
+    again = grpo.train_grpo(model, tokenizer, grpo.prepare(formatted, tokenizer, longer, mesh), longer, mesh)
     assert again["steps_this_run"] == 0 and len(again["history"]) == 3
 
 
@@ -202,7 +204,8 @@ def test_grpo_with_lora_trains_only_adapters_without_a_reference(tiny_model_dir,
     base, adapters = _weights(model), _weights(model, nnx.LoRAParam)
     params = _params(tmp_path, loss_variant="dr-grpo", beta=0.0, max_steps=1, checkpoint_every=1, max_prompts=2)
     # rollouts over the weights gathered onto each device, as the Kaggle Gemma-2-2B recipe decodes
-    result = grpo.train_grpo(model, tokenizer, formatted, params, mesh, decode_weights="gathered")
+    inputs = grpo.prepare(formatted, tokenizer, params, mesh)
+    result = grpo.train_grpo(model, tokenizer, inputs, params, mesh, decode_weights="gathered")
     assert result["latest_step"] == 1 and not result["reference_model"] and result["prompts"] == 2
     assert result["history"][0]["kl"] is None  # no KL without a reference
     new_base, new_adapters = _weights(model), _weights(model, nnx.LoRAParam)
@@ -221,7 +224,8 @@ def test_micro_batches_make_the_same_step_as_the_whole_batch(tiny_model_dir, tok
     for name, micro in (("whole", None), ("micro", 2)):
         model, _ = load_model(tiny_model_dir, mesh, "float32")
         params = _params(tmp_path / name, batch_size=4, max_steps=1, checkpoint_every=1, micro_batch_size=micro)
-        history = grpo.train_grpo(model, tokenizer, formatted, params, mesh)["history"]
+        inputs = grpo.prepare(formatted, tokenizer, params, mesh)
+        history = grpo.train_grpo(model, tokenizer, inputs, params, mesh)["history"]
         saved = ocp.PyTreeCheckpointer().restore(str(tmp_path / name / "grpo" / "actor" / "1" / "optimizer_state"))
         state = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(saved)[0]}
         # Adam's first moment after one step is 0.1 x the (clipped) gradient of the step's loss
@@ -310,7 +314,8 @@ def test_grpo_dev_eval_keeps_the_best_step(tiny_model_dir, tokenizer, formatted,
     monkeypatch.setattr(evaluation, "score", score)
     params = _params(tmp_path, keep_checkpoints=1, dev_eval={"every": 1, "prompts": 2, "max_new_tokens": 4,
                                                               "batch_size": 4})
-    result = grpo.train_grpo(model, tokenizer, formatted, params, mesh, eval_formatted=formatted.tail(3))
+    inputs = grpo.prepare(formatted, tokenizer, params, mesh)
+    result = grpo.train_grpo(model, tokenizer, inputs, params, mesh, eval_formatted=formatted.tail(3))
     assert [(p["step"], p["lenient_accuracy"]) for p in result["dev_curve"]] == [(1, 0.5), (2, 0.25)]
     assert (result["best_step"], result["selected_step"], result["latest_step"]) == (1, 1, 2)
     ckpt = tmp_path / "grpo" / "actor"

@@ -147,7 +147,8 @@ def test_grpo_with_a_judge_on_its_own_devices_logs_its_scores_and_time(tiny_mode
     model, _ = load_model(tiny_model_dir, mesh, "float32")
     set_ = RewardSet(params.rewards, judge_mesh)
     assert set_.fns[2].mesh is judge_mesh
-    result = grpo.train_grpo(model, tokenizer, formatted, params, mesh, judge_mesh=judge_mesh)
+    inputs = grpo.prepare(formatted, tokenizer, params, mesh, judge_mesh)
+    result = grpo.train_grpo(model, tokenizer, inputs, params, mesh)
     assert result["latest_step"] == 2 and set(result["rewards"]) == {"format_exact", "answer", "rubric"}
     judged = [h["reward/rubric"] for h in result["history"]]
     assert all(0 <= r <= 1 for r in judged) and len(set(judged)) > 1  # the judge saw different completions

@@ -40,7 +40,7 @@ def _plan(model=GEMMA_2B, plan=PLAN, **grpo):
 
 def test_generation_and_update_follow_the_math():
     plan = _plan()
-    g = plan.grpo["selected"]
+    g = plan.polish["grpo"]["selected"]
     assert plan.job.arch.params == N and g["sequences_per_device"] == 1 and g["sequence_length"] == 384
     hw = PLAN.profiles["kaggle-tpu-v5e-8"]
     mfu, fraction = hw.mfu, hw.decode_roofline_fraction
@@ -69,11 +69,11 @@ def test_generation_and_update_follow_the_math():
     # the reference is a whole bf16 copy over the 8 chips; with LoRA only the adapters, with beta 0 nothing
     assert g["reference_gib"] == pytest.approx(2 * N / 8 / GIB, abs=1e-3)
     lora = _plan(GEMMA_2B.model_copy(update={"lora": LoraParams(rank=16)}))
-    assert 0 < lora.grpo["selected"]["reference_gib"] < 0.05 and lora.grpo["reference"] == "adapters"
-    no_kl = _plan(beta=0.0).grpo["selected"]
+    assert 0 < lora.polish["grpo"]["selected"]["reference_gib"] < 0.05 and lora.polish["grpo"]["reference"] == "adapters"
+    no_kl = _plan(beta=0.0).polish["grpo"]["selected"]
     assert no_kl["reference_gib"] == 0 and no_kl["update_seconds"] == pytest.approx(8 * 384 * per_token / rate, rel=1e-9)
     # a longer completion grows generation's memory by its cache alone: 256 more positions
-    longer = _plan(max_completion_length=512).grpo["selected"]
+    longer = _plan(max_completion_length=512).polish["grpo"]["selected"]
     cache = 18 * 2 * 256 * 256 * 2
     assert (longer["generation_gib"] - g["generation_gib"]) * GIB == pytest.approx(cache, abs=2e-3 * GIB)
     assert longer["kv_cache_gib"] == round(18 * 2 * (128 + 512) * 256 * 2 / GIB, 3)
@@ -91,15 +91,15 @@ def _markdown(plan):
 
 def test_a_phase_that_does_not_fit_or_a_short_session_is_a_warning():
     big = _plan(batch_size=64, num_generations=8, max_completion_length=2048)
-    assert not big.grpo["selected"]["fits"] and big.status in ("risky", "over")
+    assert not big.polish["grpo"]["selected"]["fits"] and big.status in ("risky", "over")
     assert any("GRPO's" in w and "lower grpo.batch_size" in w for w in big.warnings)
     slow = _plan(max_steps=100_000)
-    assert slow.grpo["selected"]["within_session"] is False
+    assert slow.polish["grpo"]["selected"]["within_session"] is False
     assert any("over its 9 h session" in w for w in slow.warnings)
     # a profile without a bandwidth: memory, but no time, and no total
     profiles = {**BASE["profiles"], "kaggle-tpu-v5e-8": {**BASE["profiles"]["kaggle-tpu-v5e-8"], "hbm_gb_per_s": None}}
     blind = _plan(plan=PlanParams(**{**BASE, "hardware": "kaggle-tpu-v5e-8", "profiles": profiles}))
-    assert blind.grpo["selected"]["hours"] is None and blind.grpo["selected"]["update_gib"] > 0
+    assert blind.polish["grpo"]["selected"]["hours"] is None and blind.polish["grpo"]["selected"]["update_gib"] > 0
     assert blind.summary()["stages"]["total_hours"] is None
 
 
@@ -126,7 +126,7 @@ def test_grpo_compiles_for_a_kaggle_v5e_8():
         print(f"GRPO {phase}: XLA:TPU {x['xla_gib']:.2f} GiB per chip, estimate {x['difference']:+.1%}, {x['seconds']:.0f} s")
         assert 0 < x["xla_gib"] < 16
     # the plan rests on the compiled figures
-    g = add_grpo(plan, grpo, plan_params, 9, compiled).grpo["selected"]
+    g = add_grpo(plan, grpo, plan_params, 9, compiled).polish["grpo"]["selected"]
     assert g["generation_from"] == g["update_from"] == g["update_flops_from"] == "XLA:TPU" and g["fits"]
     # the update is compiled for one micro-batch; a step runs batch / micro of them
     completions, micro = grpo.batch_size * grpo.num_generations, grpo.batch_size // grpo.micro_batch_size
@@ -156,7 +156,7 @@ def _with_fraction(fraction):
 
 def test_the_decode_step_is_its_roofline_over_the_fraction_our_sampler_reaches():
     grpo = {"batch_size": 4, "num_generations": 8}  # 32 completions, 4 a chip
-    full, half = (_plan(plan=_with_fraction(f), **grpo).grpo["selected"] for f in (1.0, 0.5))
+    full, half = (_plan(plan=_with_fraction(f), **grpo).polish["grpo"]["selected"] for f in (1.0, 0.5))
     d = full["decode_step"]
     # a fraction of 1.0 is exactly the roofline, the larger of FLOPs / peak and bytes / bandwidth per chip
     assert d["roofline_seconds"] == max(d["flops"] / CHIP_FLOPS, d["bytes"] / HBM) and d["seconds"] == d["roofline_seconds"]
@@ -171,19 +171,19 @@ def test_the_decode_step_is_its_roofline_over_the_fraction_our_sampler_reaches()
     params = GrpoParams(**{"enabled": True, "max_steps": 150, "max_prompt_length": 128, "max_completion_length": 256,
                            "checkpoint_every": 50, **grpo})
     plan = build_plan(GEMMA_2B, SFT, RuntimeParams(), TokenizeParams(max_length=512), PLAN)
-    x = add_grpo(plan, params, PLAN, 9, compiled).grpo["selected"]["decode_step"]
+    x = add_grpo(plan, params, PLAN, 9, compiled).polish["grpo"]["selected"]["decode_step"]
     assert x["from"] == "XLA:TPU" and (x["flops"], x["bytes"]) == (1e12, 4e10)
     assert x["roofline_seconds"] == max(1e12 / CHIP_FLOPS, 4e10 / HBM) == 4e10 / HBM
     assert x["seconds"] == pytest.approx(x["roofline_seconds"] / PLAN.profiles["kaggle-tpu-v5e-8"].decode_roofline_fraction)
     assert "from XLA:TPU's cost analysis of the compiled step" in _markdown(plan)
     # a profile without a fraction: no decoding time
-    blind = _plan(plan=_with_fraction(None), **grpo).grpo["selected"]
+    blind = _plan(plan=_with_fraction(None), **grpo).polish["grpo"]["selected"]
     assert blind["decode_step"]["seconds"] is None and blind["hours"] is None
 
 
 def test_the_update_follows_the_micro_batch_and_the_rollout_the_whole_batch():
-    whole = _plan(batch_size=8, num_generations=8).grpo["selected"]
-    micro = _plan(batch_size=8, num_generations=8, micro_batch_size=2).grpo["selected"]
+    whole = _plan(batch_size=8, num_generations=8).polish["grpo"]["selected"]
+    micro = _plan(batch_size=8, num_generations=8, micro_batch_size=2).polish["grpo"]["selected"]
     assert whole["sequences_per_device"] == micro["sequences_per_device"] == 8
     assert micro["update_sequences_per_device"] == 2 and micro["micro_batches"] == 4
     assert micro["update_gib"] < whole["update_gib"] and micro["generation_seconds"] == whole["generation_seconds"]

@@ -33,12 +33,12 @@ def _without_judge():
 
 
 def test_a_judge_on_its_own_chips_leaves_the_policy_the_others_and_adds_its_scoring_to_the_step():
-    g = _plan(devices=4).grpo["selected"]
+    g = _plan(devices=4).polish["grpo"]["selected"]
     j = g["judge"]
     (d,) = j["judges"]
     assert (j["sub_mesh_devices"], j["policy_devices"], d["layout"], d["devices"]) == (4, 4, "sub-mesh", 4)
     # the policy decodes the 32 completions on its 4 chips (8 a chip, 4 on 8 chips without the judge)
-    assert g["sequences_per_device"] == 8 and _without_judge().grpo["selected"]["sequences_per_device"] == 4
+    assert g["sequences_per_device"] == 8 and _without_judge().polish["grpo"]["selected"]["sequences_per_device"] == 4
     # the judge: Gemma-2B's bf16 weights over its 4 chips; one call of 16 rubrics, 4 a chip, of 1,024 tokens
     assert d["weights_gib"] == pytest.approx(2 * N / 4 / GIB, abs=1e-3)
     assert (d["sequences_per_device"], d["positions"], d["kv_cache_gib"]) == (4, 1024, 0)  # read: label, no cache
@@ -52,7 +52,7 @@ def test_a_judge_on_its_own_chips_leaves_the_policy_the_others_and_adds_its_scor
 
 def test_a_time_shared_judge_holds_its_weights_beside_both_phases_and_scores_between_them():
     plan = _plan(devices=None)
-    g, alone = plan.grpo["selected"], _without_judge().grpo["selected"]
+    g, alone = plan.polish["grpo"]["selected"], _without_judge().polish["grpo"]["selected"]
     (d,) = g["judge"]["judges"]
     weights = 2 * N / 8  # fsdp-sharded over the policy's 8 chips
     assert d["layout"] == "time-shared" and d["devices"] == 8 and g["judge"]["sub_mesh_gib"] is None
@@ -66,7 +66,7 @@ def test_a_time_shared_judge_holds_its_weights_beside_both_phases_and_scores_bet
 
 
 def test_read_number_adds_the_cache_and_the_decode_steps():
-    label, number = (_plan(devices=4, read=r, max_new_tokens=8).grpo["selected"]["judge"]["judges"][0]
+    label, number = (_plan(devices=4, read=r, max_new_tokens=8).polish["grpo"]["selected"]["judge"]["judges"][0]
                      for r in ("label", "number"))
     assert number["positions"] == 1024 + 8 and number["kv_cache_gib"] > 0 and number["scoring_gib"] > label["scoring_gib"]
     step = number["decode_step"]
@@ -88,7 +88,7 @@ def test_a_judge_layout_that_cannot_run_fails_the_plan_saying_what_to_change():
     with pytest.raises(DoesNotFit, match=r"time-shared.*give it its own devices \(judge.devices: N\)"):
         _plan(devices=None, batch_size=512, max_prompt_length=4096)
     # on other profiles the same layout is a row that does not fit, not an error
-    g = _plan(devices=4).grpo["profiles"]
+    g = _plan(devices=4).polish["grpo"]["profiles"]
     assert not g["tpu-v4-8"]["fits"] and "leaves the policy none" in g["tpu-v4-8"]["judge"]["problem"]
 
 
@@ -125,5 +125,5 @@ def test_the_judges_scoring_call_compiles_for_a_kaggle_v5e_8():
     print(f"judge call (2 layers): XLA:TPU {x['xla_gib']:.2f} GiB per chip, estimate {x['difference']:+.0%}, "
           f"{x['flops_per_device'] / 1e12:.2f} TFLOP, {x['seconds']:.0f} s")
     # the plan rests on it
-    g = add_grpo(plan, grpo, params, 9, {"judges": {"judge": x}}).grpo["selected"]["judge"]["judges"][0]
+    g = add_grpo(plan, grpo, params, 9, {"judges": {"judge": x}}).polish["grpo"]["selected"]["judge"]["judges"][0]
     assert g["memory_from"] == g["flops_from"] == "XLA:TPU" and g["scoring_gib"] == round(x["xla_gib"], 3)

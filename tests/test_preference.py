@@ -218,7 +218,8 @@ def test_dpo_resumes_and_precomputed_reference_equals_the_reference_model(tmp_pa
     pairs, _ = pairs.tokenize_pairs(_formatted_pairs(tokenizer), tokenizer, _params(tmp_path))
     train, held_out = pairs.iloc[:16], pairs.iloc[16:]
     model, _ = load_model(tiny_model_dir, mesh, "float32")
-    straight = preference.train_preference(model, train, held_out, _params(tmp_path / "a", schedule="constant"), mesh)
+    batch = preference.check_enough_pairs(len(train), _params(tmp_path), mesh)
+    straight = preference.train_preference(model, train, held_out, _params(tmp_path / "a", schedule="constant"), mesh, batch)
     assert straight["reference_model"] and straight["latest_step"] == 4
     assert straight["heldout_pair_accuracy_before"] == 0.5  # policy == reference: every pair a tie
     assert straight["heldout_pair_accuracy"] > 0.5
@@ -226,9 +227,9 @@ def test_dpo_resumes_and_precomputed_reference_equals_the_reference_model(tmp_pa
 
     params = _params(tmp_path / "b", precompute_reference=True, schedule="constant")
     model, _ = load_model(tiny_model_dir, mesh, "float32")
-    first = preference.train_preference(model, train, held_out, params.model_copy(update={"max_steps": 2}), mesh)
+    first = preference.train_preference(model, train, held_out, params.model_copy(update={"max_steps": 2}), mesh, batch)
     model, _ = load_model(tiny_model_dir, mesh, "float32")
-    resumed = preference.train_preference(model, train, held_out, params, mesh)
+    resumed = preference.train_preference(model, train, held_out, params, mesh, batch)
     assert not first["reference_model"] and first["precomputed_reference"]
     assert (resumed["resumed_from_step"], resumed["latest_step"]) == (2, 4)
     # the same float32 sums reduced in another order: |log p| sums ~1e2 -> ~1e-5 apart, x beta
@@ -250,7 +251,9 @@ def test_orpo_with_lora_trains_only_the_adapters(tmp_path, tiny_model_dir, token
     model, _ = load_model(tiny_model_dir, mesh, "float32")
     model = apply_lora(model, LoraParams(rank=4, alpha=8.0), mesh)
     base, adapters = _flat(model, nnx.Param), _flat(model, nnx.LoRAParam)
-    result = preference.train_preference(model, pairs.iloc[:16], pairs.iloc[16:], _params(tmp_path, method="orpo"), mesh)
+    params = _params(tmp_path, method="orpo")
+    batch = preference.check_enough_pairs(16, params, mesh)
+    result = preference.train_preference(model, pairs.iloc[:16], pairs.iloc[16:], params, mesh, batch)
     assert not result["reference_model"] and result["latest_step"] == 4
     after = _flat(model, nnx.Param)
     assert all(np.array_equal(base[k], after[k]) for k in base if k not in adapters)
@@ -371,19 +374,19 @@ def test_plan_holds_a_reference_only_for_dpo_without_precomputed_log_probs():
     full = ModelParams(source="google/gemma-2b", dtype="bfloat16")
     dpo, pre, simpo = stage(full), stage(full, precompute_reference=True), stage(full, method="simpo")
     weights_per_chip = 2.5e9 * 2 / 8 / 2**30  # Gemma-2B's bf16 weights over 8 chips
-    assert dpo.preference["selected"]["reference_gib"] == pytest.approx(weights_per_chip, rel=0.05)
-    assert pre.preference["reference"] == "precomputed" and pre.preference["selected"]["reference_gib"] == 0
-    assert simpo.preference["reference"] == "none" and simpo.preference["selected"]["reference_gib"] == 0
-    gap = dpo.preference["selected"]["memory_per_device_gib"] - pre.preference["selected"]["memory_per_device_gib"]
-    assert gap == pytest.approx(dpo.preference["selected"]["reference_gib"], abs=1e-3)
+    assert dpo.polish["preference"]["selected"]["reference_gib"] == pytest.approx(weights_per_chip, rel=0.05)
+    assert pre.polish["preference"]["reference"] == "precomputed" and pre.polish["preference"]["selected"]["reference_gib"] == 0
+    assert simpo.polish["preference"]["reference"] == "none" and simpo.polish["preference"]["selected"]["reference_gib"] == 0
+    gap = dpo.polish["preference"]["selected"]["memory_per_device_gib"] - pre.polish["preference"]["selected"]["memory_per_device_gib"]
+    assert gap == pytest.approx(dpo.polish["preference"]["selected"]["reference_gib"], abs=1e-3)
     # precomputing costs one forward pass; training without a reference costs less a step than with one
-    assert simpo.preference["selected"]["step_seconds"] < dpo.preference["selected"]["step_seconds"]
-    assert dpo.preference["selected"]["pair_building_samples"] == (64 + 16) * 4 and dpo.summary()["preference"]  # defaults
+    assert simpo.polish["preference"]["selected"]["step_seconds"] < dpo.polish["preference"]["selected"]["step_seconds"]
+    assert dpo.polish["preference"]["selected"]["pair_building_samples"] == (64 + 16) * 4 and dpo.summary()["preference"]  # defaults
     lora = stage(full.model_copy(update={"lora": LoraParams(rank=16)}))
-    assert 0 < lora.preference["selected"]["reference_gib"] < 0.05  # the SFT adapters; the base is shared
+    assert 0 < lora.polish["preference"]["selected"]["reference_gib"] < 0.05  # the SFT adapters; the base is shared
     # too many pairs per chip: a warning that names the fix, the run marked risky
     big = stage(full, per_device_batch_size=48)
-    assert not big.preference["selected"]["fits"] and big.status in ("risky", "over")
+    assert not big.polish["preference"]["selected"]["fits"] and big.status in ("risky", "over")
     assert any("the dpo stage needs" in w and "precompute_reference" in w for w in big.warnings)
 
 

@@ -100,7 +100,7 @@ def test_smoke_pipeline_end_to_end_then_resume(project):
         session.run(pipeline_names=["sft"])
     resumed = json.loads((project / "data" / "06_models" / "sft_result.json").read_text())
     assert (resumed["resumed_from_step"], resumed["latest_step"], resumed["steps_this_run"]) == (200, 210, 10)
-    assert len(resumed["loss_history"]) == 210
+    assert len(resumed["history"]) == 210
 
     exported = json.loads((project / "data" / "06_models" / "exported_model.json").read_text())
     model, tokenizer = load_pretrained(exported["path"])

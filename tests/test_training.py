@@ -318,7 +318,7 @@ def test_sft_trains_checkpoints_and_resumes_exactly(tiny_model_dir, token_rows, 
     model, _ = load_model(tiny_model_dir, mesh)
     second = train(model, token_rows, token_rows.head(4), _sft(tmp_path / "b"), mesh)
     assert (second["resumed_from_step"], second["latest_step"], second["steps_this_run"]) == (4, 6, 2)
-    assert [h["step"] for h in second["loss_history"]] == list(range(1, 7))
+    assert [h["step"] for h in second["history"]] == list(range(1, 7))
     # bitwise: the resumed run executes the same compiled step on the same restored state and batches
     expected, got = _params(straight), _params(model)
     assert all(np.array_equal(expected[k], got[k]) for k in expected)
@@ -490,7 +490,7 @@ def test_kill_9_then_rerun_ends_bitwise_equal_to_an_uninterrupted_run(tiny_model
 
     result = json.loads((tmp_path / "resumed.json").read_text())
     assert result["resumed_from_step"] >= 4 and result["latest_step"] == 10
-    assert [h["step"] for h in result["loss_history"]] == list(range(1, 11))
+    assert [h["step"] for h in result["history"]] == list(range(1, 11))
     a, b = np.load(tmp_path / "straight.npz"), np.load(tmp_path / "resumed.npz")
     assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
 
@@ -546,8 +546,8 @@ def test_two_processes_give_the_loss_and_gradient_of_one(tiny_model_dir, rows_fi
         for i in range(2)
     ]
     assert [w.wait(300) for w in workers] == [0, 0]
-    one = json.loads((tmp_path / "single.json").read_text())["loss_history"]
-    two = json.loads((tmp_path / "multi.json").read_text())["loss_history"]
+    one = json.loads((tmp_path / "single.json").read_text())["history"]
+    two = json.loads((tmp_path / "multi.json").read_text())["history"]
     assert [h["step"] for h in two] == [1]
     terms = 4 * 48  # the step's rows x positions
     np.testing.assert_allclose(two[0]["loss"], one[0]["loss"], rtol=terms * EPS)

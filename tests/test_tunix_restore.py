@@ -38,7 +38,7 @@ from tunix_pipeline.models.families.gemma2 import Gemma2
 from tunix_pipeline.models.families.gemma3 import Gemma3Text
 from tunix_pipeline.pipelines.export.nodes import export_model
 from tunix_pipeline.run.runtime import make_mesh
-from tunix_pipeline.train.grpo import train_grpo
+from tunix_pipeline.train.grpo import prepare, train_grpo
 from tunix_pipeline.train.sft import train
 
 from .parity import logits_atol, sample_batch, save_hf_model
@@ -160,7 +160,8 @@ def test_lora_after_grpo_restores_onto_the_base_with_qwix(tiny_model_dir, tokeni
                       checkpoint_dir=str(tmp_path / "grpo_checkpoints"),
                       rewards=[{"fn": "tests.test_tunix_restore:distinct_chars"}])
     adapters_after_sft = _weights(trained, nnx.LoRAParam)
-    grpo_result = {**train_grpo(trained, tokenizer, formatted, grpo, make_mesh(RUNTIME)),
+    mesh = make_mesh(RUNTIME)
+    grpo_result = {**train_grpo(trained, tokenizer, prepare(formatted, tokenizer, grpo, mesh), grpo, mesh),
                    "start_checkpoint_dir": sft_result["checkpoint_dir"], "start_step": sft_result["latest_step"]}
     path = _exported_checkpoint(tiny_model_dir, tmp_path, LORA, sft_result, grpo_result)
     assert path == str(tmp_path / "grpo_checkpoints" / "actor" / "1" / "model_params")

@@ -35,4 +35,4 @@ def test_training_curves_reach_mlflow_and_wandb(tmp_path, tiny_model_dir, tokeni
     # the offline run (to `wandb sync` later) holds a train/loss record per logged step
     (offline,) = (tmp_path / "wandb" / "wandb").glob(f"offline-run-*-{run.info.run_id}-sft")
     records = (offline / f"run-{run.info.run_id}-sft.wandb").read_bytes()
-    assert records.count(b"train/loss") >= len(result["loss_history"]) - 1
+    assert records.count(b"train/loss") >= len(result["history"]) - 1

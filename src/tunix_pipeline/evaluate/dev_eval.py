@@ -20,6 +20,7 @@ from etils import epath
 
 from tunix_pipeline.config import DevEvalParams, EvaluateParams
 from tunix_pipeline.run.errors import UserError
+from tunix_pipeline.stages import SFT
 from tunix_pipeline.train import checkpoints
 from tunix_pipeline.train.checkpoints import DEV_CURVE_FILE as CURVE_FILE
 from tunix_pipeline.train.checkpoints import best_step
@@ -139,7 +140,7 @@ class DevEval:
 
 def metric_prefix(stage: str) -> str:
     """SFT's dev curve is `dev/<metric>`, a later stage's `<stage>/dev/<metric>`: one MLflow run holds them all."""
-    return "" if stage == "sft" else stage
+    return "" if stage == SFT.name else stage
 
 
 def log_curve(curve: list[dict], stage: str) -> None:

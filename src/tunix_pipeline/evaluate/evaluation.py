@@ -41,6 +41,7 @@ from tunix_pipeline.data.formatting import is_open_ended
 from tunix_pipeline.evaluate.generation import Generator, select_prompts
 from tunix_pipeline.evaluate.significance import mcnemar, wilson_interval
 from tunix_pipeline.run.runtime import process_rows, shard_rows
+from tunix_pipeline.stages import BY_NAME, Stage
 from tunix_pipeline.train.loop import eval_batches
 from tunix_pipeline.train.loss import model_inputs, token_nll
 
@@ -337,48 +338,39 @@ def empty_report(reason: str) -> str:
 
 # ---------------------------------------------------------------- curves
 def training_curves(histories: dict[str, list[dict] | None], titles: dict[str, str] | None = None):
-    """A matplotlib figure, a panel per stage that has a history ({stage name: its per-step history}, SFT first):
-    SFT's loss, the preference stage's loss, margin and pair accuracy, GRPO's total reward and KL."""
+    """A matplotlib figure, a panel per stage that has a history ({stage name: its per-step history}, in the
+    stages' order; the first stage's panel always): each stage's `curves` against the step."""
     from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 
-    drawn = [(name, history) for name, history in histories.items() if history or name == "sft"]
+    drawn = [(BY_NAME[name], history) for name, history in histories.items()
+             if history or BY_NAME[name].parent is None]
     fig = Figure(figsize=(6 * len(drawn), 4))
     axes = fig.subplots(1, len(drawn), squeeze=False)[0]
-    for ax, (name, history) in zip(axes, drawn):
-        _PANELS[name](ax, history or [])
-        ax.set_title((titles or {}).get(name, name.upper()))
+    for ax, (stage, history) in zip(axes, drawn):
+        _panel(ax, stage, history or [])
+        ax.set_title((titles or {}).get(stage.name, stage.name.upper()))
         ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
 
 
-def _loss_panel(ax, history: list[dict]) -> None:
-    if history:
-        ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train loss")
-        ax.set_yscale("log")
-    ax.set(xlabel="step", ylabel="loss")
-
-
-def _pairs_panel(ax, history: list[dict]) -> None:
+def _panel(ax, stage: Stage, history: list[dict]) -> None:
     steps = [h["step"] for h in history]
-    ax.plot(steps, [h["loss"] for h in history], label="loss")
-    ax.plot(steps, [h.get("rewards/margin") for h in history], label="reward margin")
-    ax.plot(steps, [h.get("rewards/accuracy") for h in history], label="pair accuracy")
-    ax.set(xlabel="step")
-    ax.legend()
-
-
-def _reward_panel(ax, history: list[dict]) -> None:
-    steps = [h["step"] for h in history]
-    ax.plot(steps, [h.get("reward") for h in history], marker="o", label="total reward")
-    ax.set(xlabel="step", ylabel="reward")
-    if any(h.get("kl") is not None for h in history):
-        twin = ax.twinx()
-        twin.plot(steps, [h.get("kl") for h in history], color="tab:red", alpha=0.6, label="KL")
-        twin.set_ylabel("KL")
-
-
-_PANELS = {"sft": _loss_panel, "preference": _pairs_panel, "grpo": _reward_panel}  # by stage name
+    twin = None
+    for curve in stage.curves:
+        values = [h.get(curve.key) for h in history]
+        if curve.twin and any(v is not None for v in values):
+            twin = twin or ax.twinx()
+            twin.plot(steps, values, color="tab:red", alpha=0.6, label=curve.label)
+            twin.set_ylabel(curve.label)
+        elif not curve.twin and history:
+            ax.plot(steps, values, marker="o" if len(steps) < 20 else None, label=curve.label)
+            if curve.log:
+                ax.set_yscale("log")
+    main = [curve for curve in stage.curves if not curve.twin]
+    ax.set(xlabel="step", ylabel=main[0].label if len(main) == 1 else None)
+    if len(main) > 1:
+        ax.legend()
 
 
 def log_figure(fig, name: str) -> None:

@@ -11,7 +11,7 @@ from tunix_pipeline.evaluate import evaluation
 from tunix_pipeline.evaluate import harness as harness_lib
 from tunix_pipeline.models import load_run_model, load_tokenizer
 from tunix_pipeline.run.runtime import make_mesh
-from tunix_pipeline.stages import Stage, selected_step
+from tunix_pipeline.stages import SFT, Stage, selected_step
 from tunix_pipeline.train.checkpoints import restore_required
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def evaluate_models(
     runtime: RuntimeParams,
 ):
     """The same metrics for the base and the fine-tuned model: loss on the eval rows, generation on a few."""
-    curve = evaluation.training_curves({"sft": sft_result.get("loss_history")})
+    curve = evaluation.training_curves({SFT.name: sft_result.get("history")})
     evaluation.log_figure(curve, "loss_curve.png")
     if _empty_split(eval_tokens, eval_formatted):
         reason = "the eval split is empty (set `ingest.eval_fraction` above 0)"
@@ -87,7 +87,7 @@ def evaluate_models(
         results["base"], samples["base"] = evaluator.measure("base")
         if harness:
             harness_results["base"] = harness.measure("base")
-    step = restore_required(network, sft_result["checkpoint_dir"], "sft", "evaluate", selected_step(sft_result))
+    step = restore_required(network, sft_result["checkpoint_dir"], SFT.name, "evaluate", selected_step(sft_result))
     results["tuned"], samples["tuned"] = evaluator.measure("tuned")
     results["tuned"]["checkpoint_step"] = step
     if harness:
@@ -116,8 +116,8 @@ def evaluate_after(stage: Stage):
         params: EvaluateParams,
         runtime: RuntimeParams,
     ):
-        title = result.get("method", stage.title).upper() if stage.name == "preference" else stage.title
-        curve = evaluation.training_curves({"sft": sft_result.get("loss_history"), stage.name: result.get("history")},
+        title = result.get("title", stage.title)
+        curve = evaluation.training_curves({SFT.name: sft_result.get("history"), stage.name: result.get("history")},
                                            titles={stage.name: title})
         evaluation.log_figure(curve, f"{stage.name}_curves.png")
         return (*_after_stage(stage, title, eval_tokens, eval_formatted, base_model, sft_result, result, model,

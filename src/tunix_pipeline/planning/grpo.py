@@ -36,6 +36,7 @@ from tunix_pipeline.planning.architecture import Architecture
 from tunix_pipeline.planning.decode import decode_line, decode_step, kv_cache_bytes
 from tunix_pipeline.planning.memory import GIB, NF4_BYTES, TrainSetup, estimate_memory, reference_bytes
 from tunix_pipeline.planning.plan import Plan, Row, size
+from tunix_pipeline.stages import GRPO
 
 
 def sequences_per_device(grpo: GrpoParams, setup: TrainSetup, prompts: int | None = None) -> int:
@@ -180,13 +181,13 @@ def loaded_in(plan: Plan, dtype: str) -> Plan:
     takes no sft.compute_dtype), on every profile; the warnings a copy, for `add_grpo` to extend."""
     rows = [dataclasses.replace(r, setup=r.setup.replace(param_dtype=dtype, compute_dtype=None)) for r in plan.rows]
     selected = rows[plan.rows.index(plan.selected)]
-    return dataclasses.replace(plan, rows=rows, selected=selected, warnings=list(plan.warnings))
+    return dataclasses.replace(plan, rows=rows, selected=selected, warnings=list(plan.warnings), polish=dict(plan.polish))
 
 
 def add_grpo(plan: Plan, grpo: GrpoParams, params: PlanParams, session_hours: float | None = None,
              compiled: dict | None = None) -> Plan:
-    """GRPO's figures on every profile, in `plan.grpo`; a warning when a phase does not fit or the session is short,
-    a `PlanError` when a judge's layout cannot run on the selected profile. `compiled`: XLA:TPU's figures for the
+    """GRPO's figures on every profile, in `plan.polish[GRPO.name]`; a warning when a phase does not fit or the session
+    is short, a `PlanError` when a judge's layout cannot run on the selected profile. `compiled`: XLA:TPU's figures for the
     selected profile (`grpo_xla.check`)."""
     if not grpo.enabled:
         return plan
@@ -196,7 +197,7 @@ def add_grpo(plan: Plan, grpo: GrpoParams, params: PlanParams, session_hours: fl
     selected = rows[plan.selected.profile]
     if arches and judge.refusal(selected, plan.selected.profile):  # fails the plan, saying what would run
         raise judge.refusal(selected, plan.selected.profile)
-    plan.grpo = {
+    plan.polish[GRPO.name] = {
         "loss_variant": grpo.loss_variant,
         "reference": "none" if not grpo.beta else "adapters" if plan.job.mode != "full" else "model",
         "steps": grpo.max_steps,
@@ -240,7 +241,7 @@ def _time(seconds: float | None) -> str:
 
 
 def markdown_section(plan: Plan) -> list[str]:
-    g = plan.grpo
+    g = plan.polish[GRPO.name]
     s = g["selected"]
     fits = "fits" if s["fits"] else "**does not fit**"
     micro = (f"; the update {s['update_sequences_per_device']} at a time, {s['micro_batches']} micro-batches"

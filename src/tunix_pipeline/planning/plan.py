@@ -16,6 +16,7 @@ from tunix_pipeline.planning.disk import disk_summary
 from tunix_pipeline.planning.goodput import summary as goodput_summary
 from tunix_pipeline.planning.job import Job, setup_on
 from tunix_pipeline.planning.memory import GIB, MemoryEstimate, TrainSetup, checkpoint_bytes, estimate_memory
+from tunix_pipeline.stages import SFT
 
 
 class DoesNotFit(PlanError):
@@ -74,8 +75,8 @@ class Plan:
     headroom: list[str] = dataclasses.field(default_factory=list)  # what the memory a fitting run leaves would hold
     xla: dict | None = None  # the XLA check, when run
     assumptions: dict = dataclasses.field(default_factory=dict)
-    preference: dict | None = None  # the preference stage, when it is on (planning.preference)
-    grpo: dict | None = None  # GRPO's generation and update, when it is on (planning.grpo)
+    # each polish stage that is on, by name: its figures on every profile (`planning.<stage>.add_<stage>`)
+    polish: dict[str, dict] = dataclasses.field(default_factory=dict)
     goodput: dict = dataclasses.field(default_factory=dict)  # useful tokens, examples, epochs (planning.goodput)
     disk: dict | None = None  # bytes of every output against the profile's volumes (planning.disk; add_disk)
 
@@ -135,11 +136,9 @@ class Plan:
         }
         if self.xla:
             out["xla_check"] = self.xla
-        if self.preference:
-            out["preference"] = {k: v for k, v in self.preference.items() if k != "params"}
-        if self.grpo:
-            out["grpo"] = self.grpo
-        if self.preference or self.grpo:
+        for name, section in self.polish.items():
+            out[name] = {k: v for k, v in section.items() if k != "params"}
+        if self.polish:
             out["stages"] = self.stages()
         if self.disk:
             out["disk"] = disk_summary(self.disk)
@@ -148,11 +147,8 @@ class Plan:
     def stages(self) -> dict:
         """Hours and cost of every planned stage on the selected hardware, and their total."""
         s = self.selected
-        hours = {"sft": s.hours if self.job.max_steps else 0.0}
-        if self.preference:
-            hours["preference"] = self.preference["selected"]["hours"]
-        if self.grpo:
-            hours["grpo"] = self.grpo["selected"]["hours"]
+        hours = {SFT.name: s.hours if self.job.max_steps else 0.0}
+        hours.update({name: section["selected"]["hours"] for name, section in self.polish.items()})
         known = [h for h in hours.values() if h is not None]
         total = sum(known) if len(known) == len(hours) else None
         return {"hours": hours, "total_hours": total,

@@ -19,6 +19,7 @@ from tunix_pipeline.planning import memory
 from tunix_pipeline.planning.memory import GIB, estimate_memory
 from tunix_pipeline.planning.plan import Plan, Row, size
 from tunix_pipeline.planning.xla_check import check_against_xla as sft_check
+from tunix_pipeline.stages import PREFERENCE
 
 
 def reference_bytes(plan: Plan, row: Row, pref: PreferenceParams) -> float:
@@ -38,7 +39,7 @@ def stage_setup(row: Row, pref: PreferenceParams):
 def check_against_xla(plan: Plan, model, max_layers: int | None, timeout: float) -> dict:
     """XLA's peak for the policy's step of the selected profile (SFT's step compiled at the stage's shape;
     the reference's weights come on top of both figures)."""
-    setup = stage_setup(plan.selected, plan.preference["params"])
+    setup = stage_setup(plan.selected, plan.polish[PREFERENCE.name]["params"])
     return sft_check(dataclasses.replace(plan, selected=dataclasses.replace(plan.selected, setup=setup)), model,
                      max_layers, timeout)
 
@@ -86,12 +87,13 @@ def stage_row(plan: Plan, row: Row, pref: PreferenceParams, params: PlanParams) 
 
 
 def add_preference(plan: Plan, pref: PreferenceParams, params: PlanParams) -> Plan:
-    """The preference stage's figures on every profile, in `plan.preference`; a warning when it does not fit."""
+    """The preference stage's figures on every profile, in `plan.polish[PREFERENCE.name]`; a warning when it does not
+    fit."""
     if not pref.enabled:
         return plan
     rows = {r.profile: stage_row(plan, r, pref, params) for r in plan.rows}
     selected = rows[plan.selected.profile]
-    plan.preference = {
+    plan.polish[PREFERENCE.name] = {
         "method": pref.method,
         "pairs": pref.pairs,
         "reference": "model" if pref.method == "dpo" and not pref.precompute_reference
@@ -114,7 +116,7 @@ def add_preference(plan: Plan, pref: PreferenceParams, params: PlanParams) -> Pl
 
 
 def markdown_section(plan: Plan) -> list[str]:
-    p = plan.preference
+    p = plan.polish[PREFERENCE.name]
     s = p["selected"]
     lines = [
         f"## Preference stage ({p['method']}, pairs {p['pairs'].replace('_', ' ')}, reference {p['reference']})",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
+
 from tunix_pipeline.planning.goodput import hours_text as _hours
 from tunix_pipeline.planning.goodput import markdown_lines as goodput_lines
 from tunix_pipeline.planning.memory import GIB
 from tunix_pipeline.planning.plan import Plan, Row, size
-from tunix_pipeline.stages import POLISH
+from tunix_pipeline.stages import POLISH, Stage
 
 
 def _money(x: float | None) -> str:
@@ -106,9 +108,9 @@ def markdown(plan: Plan) -> str:
         lines += ["**The memory it leaves would hold any of (estimates):**", ""] + [f"- {h}" for h in plan.headroom] + [""]
     if plan.xla:
         lines += xla_section(plan.xla) + [""]
-    planned = [stage for stage in POLISH if getattr(plan, stage.name)]  # the polish stages on, in the chain's order
+    planned = [stage for stage in POLISH if stage.name in plan.polish]  # the polish stages on, in the chain's order
     for stage in planned:
-        lines += _polish_section(stage.name, plan) + [""]
+        lines += _polish_section(stage, plan) + [""]
     if planned:
         lines += stages_line(plan) + [""]
     if plan.disk:
@@ -181,11 +183,10 @@ def xla_section(x: dict) -> list[str]:
     return lines
 
 
-def _polish_section(stage: str, plan: Plan) -> list[str]:
-    """A polish stage's section of the report: its memory and time (`planning.<stage>.markdown_section`)."""
-    from tunix_pipeline.planning import grpo, preference  # they build on this module's helpers
-
-    return {"preference": preference.markdown_section, "grpo": grpo.markdown_section}[stage](plan)
+def _polish_section(stage: Stage, plan: Plan) -> list[str]:
+    """A polish stage's section of the report: its memory and time, from its own planning module
+    (`planning.<stage>.markdown_section`, which builds on this module's helpers: imported here, not above)."""
+    return importlib.import_module(f"tunix_pipeline.planning.{stage.name}").markdown_section(plan)
 
 
 def stages_line(plan: Plan) -> list[str]:

@@ -22,7 +22,7 @@ from tunix_pipeline.config import (
     SftParams,
 )
 from tunix_pipeline.config.validation import ConfigError, validate_section
-from tunix_pipeline.stages import GRPO, PREFERENCE, SFT, Stage
+from tunix_pipeline.stages import GRPO, PREFERENCE, SFT, STAGES, Stage
 
 # the evaluation nodes: after SFT, and after each polish stage
 EVALUATE_NODE = "evaluate_models"
@@ -32,7 +32,7 @@ PAIRS_NODE = "build_preference_pairs"  # samples pairs scored with the rewards, 
 def reached_stages(params: dict, node_names: Iterable[str]) -> list[Stage]:
     """The training stages this run will train: their train node is in the pipeline (a polish stage: and enabled)."""
     names = set(node_names)
-    return [stage for stage in (SFT, PREFERENCE, GRPO) if stage.train_node in names
+    return [stage for stage in STAGES if stage.train_node in names
             and (stage.parent is None or (params.get(stage.name) or {}).get("enabled"))]
 
 

@@ -53,7 +53,7 @@ def keep_for_next_session(entry: dict, output_root: str, session: str) -> dict:
     """The ledger entry of a finished session, its next session's checkpoint (the last stage trained: GRPO,
     preference, else SFT, as `sessions._parent` picks it) copied under a local output root when it lies outside it
     (a scratch folder), the entry pointing at the copy. Unchanged for a URI root or a checkpoint already under it."""
-    from tunix_pipeline.stages import POLISH
+    from tunix_pipeline.stages import POLISH, SFT
     from tunix_pipeline.train.checkpoints import dev_selected_step
 
     prefix = next((f"{s.name}_" for s in reversed(POLISH) if entry.get(f"{s.name}_checkpoint_dir")), "")
@@ -66,7 +66,7 @@ def keep_for_next_session(entry: dict, output_root: str, session: str) -> dict:
     from etils import epath
 
     step = dev_selected_step(epath.Path(Path(folder).resolve())) or step  # the step the next session starts from
-    stage = prefix.rstrip("_") or "sft"
+    stage = prefix.rstrip("_") or SFT.name
     target = copy_final_weights(folder, step, root / FOLDER / session / stage)
     log.info("session '%s': %s step %d's weights copied from %s to %s for the next session (no optimizer state)",
              session, stage, step, folder, target)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -33,6 +34,7 @@ from tunix_pipeline.run import progress
 from tunix_pipeline.run.errors import UserError
 from tunix_pipeline.run.paths import storage_path
 from tunix_pipeline.run.processes import barrier
+from tunix_pipeline.stages import StageResult
 from tunix_pipeline.train import checkpoints
 from tunix_pipeline.train.loop import frozen_copy
 from tunix_pipeline.train.optim import make_optimizer
@@ -85,21 +87,35 @@ class PromptFeed:
                 yield {k: v[idx] for k, v in self.columns.items()}
 
 
-# ---------------------------------------------------------------- Tunix pieces
-
 
 # ---------------------------------------------------------------- the run
+@dataclass(frozen=True)
+class GrpoInputs:
+    """What GRPO checked before any weights load (`prepare`), as `train_grpo` uses it."""
+
+    prompts: pd.DataFrame  # the training prompts that fit `grpo.max_prompt_length`, at most `grpo.max_prompts`
+    too_long: int  # how many did not fit
+    rewards: RewardSet  # its judge, if any, loads on first use
+
+
+def prepare(train_formatted: pd.DataFrame, tokenizer, params: GrpoParams, mesh: jax.sharding.Mesh,
+            judge_mesh: jax.sharding.Mesh | None = None) -> GrpoInputs:
+    """GRPO's checks before any weights load: the rewards resolve (judges on `judge_mesh`, else `mesh`), a batch
+    divides the mesh (`GrpoError`), enough prompts fit (`NothingToLearn`)."""
+    rewards = RewardSet(params.rewards, judge_mesh or mesh)
+    prompts, too_long = training_prompts(train_formatted, tokenizer, params, mesh)
+    return GrpoInputs(prompts, too_long, rewards)
+
+
 def train_grpo(
-    model, tokenizer, train_formatted: pd.DataFrame, params: GrpoParams, mesh: jax.sharding.Mesh,
-    metrics_backends: list | None = None, judge_mesh: jax.sharding.Mesh | None = None, decode_weights: str = "sharded",
-    eval_formatted: pd.DataFrame | None = None,
-) -> dict:
-    """GRPO on `model` in place (full weights or LoRA adapters), judges on `judge_mesh`, else `mesh`; resumes.
+    model, tokenizer, inputs: GrpoInputs, params: GrpoParams, mesh: jax.sharding.Mesh,
+    metrics_backends: list | None = None, decode_weights: str = "sharded", eval_formatted: pd.DataFrame | None = None,
+) -> StageResult:
+    """GRPO on `model` in place (full weights or LoRA adapters) from `prepare`'s inputs; resumes.
     `decode_weights`: the rollouts', `runtime.decode_weights`; `eval_formatted`: its dev rows for `grpo.dev_eval`."""
     from tunix.rl import rl_cluster as rl_cluster_lib
 
-    rewards = RewardSet(params.rewards, judge_mesh or mesh)
-    rows, too_long = training_prompts(train_formatted, tokenizer, params, mesh)
+    rows, rewards = inputs.prompts, inputs.rewards
     root = storage_path(params.checkpoint_dir, "grpo.checkpoint_dir")  # a gs:// URI reaches Orbax as it is
     rollout = _rollout_config(params, tokenizer)
     algo_config, learner_cls = algorithm(params)
@@ -143,7 +159,7 @@ def train_grpo(
         "reference_model": reference is not None,
         "rewards": dict(rewards.weights),
         "prompts": len(rows),
-        "prompts_too_long": too_long,
+        "prompts_too_long": inputs.too_long,
         "completions_per_step": params.batch_size * params.num_generations,
         "first_reward": history[0].get("reward") if history else None,
         "last_reward": history[-1].get("reward") if history else None,

@@ -28,8 +28,10 @@ from tunix_pipeline import upstream
 from tunix_pipeline.config import PreferenceParams
 from tunix_pipeline.planning.architecture import model_flops_per_token
 from tunix_pipeline.run import runtime
+from tunix_pipeline.run.paths import storage_path
 from tunix_pipeline.run.progress import throughput_hooks
-from tunix_pipeline.train import checkpoints
+from tunix_pipeline.stages import StageResult
+from tunix_pipeline.train import checkpoints, loop
 from tunix_pipeline.train.loss import target_logps
 from tunix_pipeline.train.pairs import PAIR_TOKEN_COLUMNS, pair_arrays
 from tunix_pipeline.train.skips import NothingToLearn
@@ -228,19 +230,16 @@ def train_preference(
     eval_pairs: pd.DataFrame,
     params: PreferenceParams,
     mesh: jax.sharding.Mesh,
+    batch_size: int,
     metrics_backends: list | None = None,
     peak_flops_per_device: float | None = None,
-) -> dict:
-    """Preference training of `model` (the SFT policy) in place; resumes from `params.checkpoint_dir`.
+) -> StageResult:
+    """Preference training of `model` (the SFT policy) in place, `batch_size` pairs a step (`check_enough_pairs`, run
+    before the model loads); resumes from `params.checkpoint_dir`.
 
     Before Tunix restores a checkpoint the model is the SFT policy: the reference
     (a frozen copy, or its log-probabilities) and the step-0 held-out accuracy come from it.
     """
-    from tunix_pipeline.run.paths import storage_path
-    from tunix_pipeline.train import loop as training
-    from tunix_pipeline.train.loop import frozen_copy
-
-    batch_size = check_enough_pairs(len(train_pairs), params, mesh)
     ckpt_dir = storage_path(params.checkpoint_dir, "preference.checkpoint_dir")
     dpo = params.method == "dpo"
     eval_reference = pair_logps(model, eval_pairs, batch_size, mesh) if dpo and len(eval_pairs) else None
@@ -251,8 +250,8 @@ def train_preference(
         lp = pair_logps(model, train_pairs, batch_size, mesh)
         arrays.update(zip(REFERENCE_COLUMNS, (lp["chosen"].astype(np.float32), lp["rejected"].astype(np.float32))))
     elif dpo:
-        reference = frozen_copy(model)
-    feed = training.BatchFeed(train_pairs, batch_size, params.seed, runtime.process_rows(mesh, batch_size),
+        reference = loop.frozen_copy(model)
+    feed = loop.BatchFeed(train_pairs, batch_size, params.seed, runtime.process_rows(mesh, batch_size),
                               arrays=arrays, row_tokens=pair_token_counts(arrays)).with_budget(params.time_budget_hours, model)
     seq_len = params.max_prompt_length + params.max_response_length  # a pair's two sequences: its prompt and an answer
     throughput = throughput_hooks(feed.step_tokens, model_flops_per_token(model, seq_len), peak_flops_per_device,
@@ -265,16 +264,17 @@ def train_preference(
         upstream.log_aux_metrics(trainer, AUX_METRICS)
         trainer.with_training_hooks(throughput)
         trainer.with_data_hooks(feed)
-        run = training.fit(trainer, feed, ckpt_dir, params.method, params.max_steps)
+        run = loop.fit(trainer, feed, ckpt_dir, params.method, params.max_steps)
         curves = {name: checkpoints.metric_history(trainer.metrics_logger, METRICS_PREFIX, name) for name in AUX_METRICS}
 
     history = run.pop("history") + _with_curves(checkpoints.new_losses(trainer, run["resumed_from_step"]), curves)
     checkpoints.save_history(ckpt_dir, history)
     accuracy_after = heldout_accuracy(model, eval_pairs, params, batch_size, mesh, eval_reference)
-    training.end_run(feed, "preference", run, params.max_steps, params.time_budget_hours)
+    loop.end_run(feed, "preference", run, params.max_steps, params.time_budget_hours)
     return {
         "enabled": True,
         "method": params.method,
+        "title": params.method.upper(),
         **run,
         "reference_model": reference is not None,
         "precomputed_reference": dpo and params.precompute_reference,
@@ -300,16 +300,14 @@ def _trainer(model, reference, params: PreferenceParams, ckpt_dir, logging_optio
     """Tunix's DPOTrainer (`upstream.preference_trainer_class`), set up as SFT's trainer is."""
     from tunix.sft.dpo import dpo_trainer
 
-    from tunix_pipeline.train import loop as training
-
     config = dpo_trainer.DPOTrainingConfig(
-        **training.trainer_config(params, params.max_steps, ckpt_dir, params.method),
+        **loop.trainer_config(params, params.max_steps, ckpt_dir, params.method),
         algorithm="orpo" if params.method == "orpo" else "dpo",  # only the metric names differ: our loss hook decides
         beta=params.beta, lambda_orpo=params.orpo_lambda, label_smoothing=params.label_smoothing,
         metrics_logging_options=logging_options,
         metrics_prefix=METRICS_PREFIX,
     )
-    return training.restored_trainer(
+    return loop.restored_trainer(
         lambda optimizer: upstream.preference_trainer_class(reference_logps)(model, reference, optimizer, config), params,
         params.max_steps, ckpt_dir, mesh,
     )

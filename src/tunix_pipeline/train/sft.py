@@ -19,6 +19,7 @@ from tunix_pipeline.planning.architecture import model_flops_per_token
 from tunix_pipeline.run.paths import storage_path
 from tunix_pipeline.run.progress import throughput_hooks
 from tunix_pipeline.run.runtime import global_batch_size, process_rows
+from tunix_pipeline.stages import StageResult
 from tunix_pipeline.train import checkpoints
 from tunix_pipeline.train.loop import (
     BatchFeed,
@@ -56,7 +57,7 @@ def train(
     metrics_backends: list | None = None,
     peak_flops_per_device: float | None = None,
     dev=None,
-) -> dict:
+) -> StageResult:
     """Trains `model` in place; resumes from the latest checkpoint in `sft.checkpoint_dir`. `dev`: a
     `dev_eval.DevEval` (`sft.dev_eval`) scoring the dev split as it goes and keeping the best step, or None."""
     batch_size = global_batch_size(sft, mesh)
@@ -97,7 +98,7 @@ def train(
         "sequence_length": seq_len,
         "first_loss": history[0]["loss"] if history else None,
         "last_loss": history[-1]["loss"] if history else None,
-        "loss_history": history,
+        "history": history,
         # without `dev`, the latest step is the one handed on
         **(dev.summary(run["latest_step"]) if dev else
            {"dev_curve": [], "best_step": None, "selected_step": run["latest_step"]}),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from tunix_pipeline.run.errors import UserError
-from tunix_pipeline.stages import policy_stage, selected_step, start_of
+from tunix_pipeline.stages import StageResult, policy_stage, selected_step, start_of
 
 log = logging.getLogger(__name__)
 MLFLOW_TAG_LIMIT = 5000  # characters of a tag value MLflow keeps
@@ -25,7 +25,7 @@ class NothingToLearn(UserError, ValueError):
         super().__init__(f"{stage}: {reason}: {fix}")
 
 
-def passed_through(parent_result: dict) -> dict:
+def passed_through(parent_result: StageResult) -> StageResult:
     """The result of a stage that did not train (off or skipped): its parent's policy, which the later stages use,
     and where it would have started (`start_*`, as a trained stage records them)."""
     passed = {"enabled": False, "checkpoint_dir": parent_result["checkpoint_dir"],
@@ -36,7 +36,7 @@ def passed_through(parent_result: dict) -> dict:
     return passed
 
 
-def skip_stage(err: NothingToLearn, strict: bool, parent_policy: dict) -> dict:
+def skip_stage(err: NothingToLearn, strict: bool, parent_policy: StageResult) -> StageResult:
     """The stage's result when it is skipped: `parent_policy` (`passed_through`) with the reason; `err` itself
     when `strict`."""
     if strict:

@@ -1,10 +1,11 @@
 from kedro.pipeline import Node, Pipeline
 
 from tunix_pipeline.evaluate.policies import evaluate_models
+from tunix_pipeline.stages import SFT
 
 
 def create_pipeline(**kwargs) -> Pipeline:
-    """Base vs SFT model; the evaluation after GRPO belongs to the `grpo` pipeline."""
+    """The base model against SFT's; each polish stage's pipeline evaluates its own policy (`evaluate_after`)."""
     return Pipeline(
         [
             Node(
@@ -13,7 +14,7 @@ def create_pipeline(**kwargs) -> Pipeline:
                     "eval_tokens",
                     "eval_formatted",
                     "base_model",
-                    "sft_result",
+                    SFT.result,
                     "params:model",
                     "params:evaluate",
                     "params:runtime",

@@ -3,12 +3,11 @@ import pandas as pd
 from tunix_pipeline.config import GrpoParams, ModelParams, RuntimeParams, TrackingParams
 from tunix_pipeline.evaluate.dev_eval import log_curve
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
-from tunix_pipeline.stages import GRPO, policy_stage, selected_step, start_of
+from tunix_pipeline.stages import GRPO, StageResult, policy_stage, selected_step, start_of
 from tunix_pipeline.tracking.step_metrics import MlflowBackend, metrics_backends
 from tunix_pipeline.train.checkpoints import restore_required
-from tunix_pipeline.train.grpo import train_grpo, training_prompts
+from tunix_pipeline.train.grpo import prepare, train_grpo
 from tunix_pipeline.train.judge import meshes
-from tunix_pipeline.train.rewards import RewardSet
 from tunix_pipeline.train.skips import NothingToLearn, passed_through, skip_stage
 
 
@@ -21,25 +20,23 @@ def run_grpo(
     grpo: GrpoParams,
     runtime: RuntimeParams,
     tracking: TrackingParams,
-) -> dict:
+) -> StageResult:
     """GRPO from its parent's policy (the preference stage's, or SFT's passed through it); off, or with no prompt
     that fits (skipped, unless `grpo.strict`): that policy passes through. Either way `checkpoint_dir` is the policy
     the later stages use, and `start_*` record where it started."""
     if not grpo.enabled:
         return passed_through(parent_result)
-    RewardSet(grpo.rewards)  # an unknown reward or unimportable module fails now, before the model loads
     mesh, judge_mesh = meshes(runtime, grpo.rewards)  # with a judge on its own devices, the policy has the rest
     tokenizer = load_tokenizer(base_model["path"])
-    try:  # prompts that fit, before any weights load
-        training_prompts(train_formatted, tokenizer, grpo, mesh)
+    try:  # rewards that resolve and prompts that fit, before any weights load
+        inputs = prepare(train_formatted, tokenizer, grpo, mesh, judge_mesh)
     except NothingToLearn as err:
         return skip_stage(err, grpo.strict, passed_through(parent_result))
     network, _ = load_run_model(base_model["path"], model, mesh)
     step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), "grpo",
                             selected_step(parent_result))
     backends = metrics_backends(tracking, runtime.output_root, "grpo")
-    result = train_grpo(network, tokenizer, train_formatted, grpo, mesh, backends, judge_mesh, runtime.decode_weights,
-                        eval_formatted)
+    result = train_grpo(network, tokenizer, inputs, grpo, mesh, backends, runtime.decode_weights, eval_formatted)
     if backends and MlflowBackend in backends:  # the points measured after its backends closed
         log_curve(result["dev_curve"], "grpo")
     return {

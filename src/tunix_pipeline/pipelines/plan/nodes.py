@@ -14,6 +14,7 @@ from tunix_pipeline.planning.disk import add_disk, disk_sessions, plan_disk
 from tunix_pipeline.planning.grpo import add_grpo, loaded_in
 from tunix_pipeline.planning.preference import add_preference
 from tunix_pipeline.planning.preference import check_against_xla as check_preference_against_xla
+from tunix_pipeline.stages import PREFERENCE
 
 
 def plan_training(
@@ -29,8 +30,8 @@ def plan_training(
     # the XLA check may rebuild the plan on the compiled figures: the preference stage is added after it
     result = with_xla_check(build_plan(model, sft, runtime, tokenize, plan, tokenize_report=tokenize_report), model, plan)
     result = add_preference(result, _planned_preference(preference, sessions), plan)
-    if plan.xla_check.enabled and result.preference:
-        result.preference["xla_check"] = check_preference_against_xla(
+    if plan.xla_check.enabled and PREFERENCE.name in result.polish:
+        result.polish[PREFERENCE.name]["xla_check"] = check_preference_against_xla(
             result, model, plan.xla_check.max_layers, plan.xla_check.timeout_seconds
         )
     grpo, grpo_hours, grpo_session = _planned_stage("grpo", grpo, sessions)
@@ -40,7 +41,7 @@ def plan_training(
     if plan.xla_check.enabled and plan.xla_check.grpo and grpo.enabled:  # XLA:TPU only: None unless libtpu or a TPU is at hand
         compiled = grpo_xla.check(policy, grpo_model, grpo, plan.xla_check.max_layers, plan, runtime.decode_weights)
     policy = add_grpo(policy, grpo, plan, grpo_hours, compiled)
-    result.grpo, result.warnings, result.status = policy.grpo, policy.warnings, policy.status
+    result.polish, result.warnings, result.status = policy.polish, policy.warnings, policy.status
     if export is not None:
         result = add_disk(result, plan_disk(
             result.job.arch, result.selected.setup, result.selected.hw,

@@ -19,7 +19,7 @@ from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_coun
 from tunix_pipeline.planning import peak_flops_per_device
 from tunix_pipeline.run.processes import is_main_process
 from tunix_pipeline.run.runtime import make_mesh
-from tunix_pipeline.stages import PREFERENCE, policy_stage, selected_step, start_of
+from tunix_pipeline.stages import PREFERENCE, StageResult, policy_stage, selected_step, start_of
 from tunix_pipeline.tracking.step_metrics import metrics_backends
 from tunix_pipeline.train import pairs
 from tunix_pipeline.train import preference as pref
@@ -82,7 +82,7 @@ def run_preference(
     runtime: RuntimeParams,
     tracking: TrackingParams,
     plan: PlanParams,
-) -> dict:
+) -> StageResult:
     """DPO / ORPO / SimPO from the parent's policy (SFT's); off (`preference.enabled: false`) or with too few pairs
     to fill a batch (skipped, unless `preference.strict`): the parent's passes through.
 
@@ -95,16 +95,16 @@ def run_preference(
     eval_tokens, eval_stats = pairs.tokenize_pairs(eval_pairs, tokenizer, params)
     mesh = make_mesh(runtime)
     try:  # before any weights load
-        pref.check_enough_pairs(len(train_tokens), params, mesh,
+        batch_size = pref.check_enough_pairs(len(train_tokens), params, mesh,
                                 pairs.why_too_few(pairs_report, train_stats["dropped"], params))
     except NothingToLearn as err:
         return {**skip_stage(err, params.strict, passed_through(parent_result)), "method": params.method,
-                "tokenize": {"train": train_stats, "eval": eval_stats}}
+                "title": params.method.upper(), "tokenize": {"train": train_stats, "eval": eval_stats}}
     network, _ = load_run_model(base_model["path"], model, mesh)
     step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), "preference",
                             selected_step(parent_result))
     backends = metrics_backends(tracking, runtime.output_root, "preference")
-    result = pref.train_preference(network, train_tokens, eval_tokens, params, mesh, backends,
+    result = pref.train_preference(network, train_tokens, eval_tokens, params, mesh, batch_size, backends,
                                    peak_flops_per_device(plan, runtime))
     if mlflow.active_run() is not None and is_main_process():  # held-out pair accuracy: SFT's, then the policy's
         client, run_id = mlflow.MlflowClient(), mlflow.active_run().info.run_id

@@ -20,6 +20,7 @@ from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_coun
 from tunix_pipeline.planning import DoesNotFit, build_plan, peak_flops_per_device, refusal, with_xla_check
 from tunix_pipeline.planning.disk import add_disk, disk_sessions, plan_disk
 from tunix_pipeline.run.runtime import global_batch_size, make_mesh
+from tunix_pipeline.stages import StageResult
 from tunix_pipeline.tracking.mlflow_runs import mlflow_name, remember_run
 from tunix_pipeline.tracking.step_metrics import MlflowBackend, metrics_backends
 from tunix_pipeline.train.checkpoints import start_from
@@ -38,7 +39,7 @@ def train_sft(
     runtime: RuntimeParams,
     tracking: TrackingParams,
     plan: PlanParams,
-) -> dict:
+) -> StageResult:
     mesh = make_mesh(runtime)
     network, _ = load_run_model(base_model["path"], model, mesh, remat=sft.remat, compute_dtype=sft.compute_dtype)
     live = mlflow.active_run() is not None and jax.process_index() == 0
@@ -56,7 +57,7 @@ def train_sft(
         batch_size = global_batch_size(sft, mesh)
         return {
             "checkpoint_dir": lineage["parent_checkpoint"], "latest_step": lineage["parent_step"],
-            "steps_this_run": 0, "stopped_early": None, "loss_history": [], "first_loss": None, "last_loss": None,
+            "steps_this_run": 0, "stopped_early": None, "history": [], "first_loss": None, "last_loss": None,
             "global_batch_size": batch_size * sft.gradient_accumulation_steps, "micro_batch_size": batch_size,
             # the parent's dev-selected step passes on as this session's
             "best_step": lineage.get("parent_best_step"), "selected_step": lineage["parent_step"], "dev_curve": [],
@@ -72,7 +73,7 @@ def train_sft(
         metrics_backends(tracking, runtime.output_root, "sft"), peak_flops_per_device(plan, runtime), dev,
     )
     if live:
-        MlflowBackend().fill_gaps("train/loss", result["loss_history"])
+        MlflowBackend().fill_gaps("train/loss", result["history"])
         log_curve(result["dev_curve"], "sft")
     return {**result, **described}
 
