@@ -6,7 +6,6 @@
   in `checkpoints`), run to its last step (`fit`) and summed up (`end_run`): steps, useful tokens/s, time.
 """
 
-
 from __future__ import annotations
 
 import logging
@@ -285,7 +284,5 @@ def restored_trainer(build, optimizer_settings: OptimizerSettings, max_steps: in
 
 def frozen_copy(model):
     """A second model with the same weights that later updates of `model` do not touch (arrays shared)."""
-    from flax import nnx
-
     graphdef, state = nnx.split(model)
     return nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
