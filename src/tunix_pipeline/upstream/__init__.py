@@ -8,7 +8,6 @@ here, and the sampler's prefill and token choice in `upstream/generation.py` (re
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import os
@@ -21,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from tunix_pipeline.run.runtime import shard_rows, step_compiler_options
+from tunix_pipeline.upstream.event_loops import loops_finish_their_tasks  # noqa: F401
 from tunix_pipeline.upstream.generation import Sampler, grouped_rollout, in_groups  # noqa: F401
 
 REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -156,46 +156,6 @@ def pending_loss(trainer) -> float | None:
     """The last step's loss, which Tunix keeps in a private buffer until the next step."""
     pending = getattr(trainer, "_prev_buffered_train_metrics", None)
     return None if pending is None else float(pending.loss)
-
-
-# ---------------------------------------------------------------- Orbax closes its event loop with reads still in flight
-def loops_finish_their_tasks() -> None:
-    """Orbax's `run_sync` (its saves and restores) runs a coroutine on a fresh event loop and closes the loop as soon as
-    the coroutine returns or raises. When one read of a `gather` fails (a corrupt checkpoint, set aside for the one
-    before) the others are still in flight, and each, finishing, calls back into the closed loop: a `RuntimeError:
-    Event loop is closed` traceback apiece. Here the loop first cancels and awaits its leftover tasks, as
-    `asyncio.run` does. Once per process; nothing where Orbax has no such function."""
-    from orbax.checkpoint._src import asyncio_utils
-
-    original = getattr(asyncio_utils, "_run_sync_via_new_loop", None)
-    if original is None or getattr(original, "finishes_tasks", False):
-        return
-
-    def run_sync_via_new_loop(coro):
-        loop = asyncio.new_event_loop()
-        try:
-            asyncio.set_event_loop(loop)
-            return loop.run_until_complete(coro)
-        finally:
-            try:
-                _finish_leftovers(loop)
-            finally:
-                asyncio.set_event_loop(None)
-                loop.close()
-
-    run_sync_via_new_loop.finishes_tasks = True
-    asyncio_utils._run_sync_via_new_loop = run_sync_via_new_loop
-
-
-def _finish_leftovers(loop) -> None:
-    try:
-        pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
-    except RuntimeError:  # another thread's tasks changed the set under it: leave them, as Orbax does
-        return
-    for task in pending:
-        task.cancel()
-    if pending:
-        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
 
 
 # ---------------------------------------------------------------- GRPO: a closed trainer keeps logging …
