@@ -23,13 +23,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tunix_pipeline.config import (  # noqa: E402
-    GrpoParams,
-    LoraParams,
-    ModelParams,
-    PlanParams,
-    RuntimeParams,
-    SftParams,
-    TokenizeParams,
+    GrpoParams, LoraParams, ModelParams, PlanParams, RuntimeParams, SftParams, TokenizeParams,
 )
 from tunix_pipeline.planning import build_plan, grpo_xla, xla  # noqa: E402
 from tunix_pipeline.planning.grpo import rollout_setup, update_setup  # noqa: E402

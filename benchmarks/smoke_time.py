@@ -27,9 +27,8 @@ import yaml
 STARTED = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kedro.framework.hooks import hook_impl  # noqa: E402
-
 from benchmarks import common  # noqa: E402
+from kedro.framework.hooks import hook_impl  # noqa: E402
 
 STAGES = {  # node name prefix -> the stage it belongs to, for the summary (first match wins)
     "ingest": "ingest",

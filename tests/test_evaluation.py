@@ -12,12 +12,7 @@ from tunix_pipeline.config import EvaluateParams, ModelParams, RuntimeParams
 from tunix_pipeline.data import answers
 from tunix_pipeline.evaluate import evaluation, generation, sampling, significance
 from tunix_pipeline.evaluate.evaluation import (
-    answers_match,
-    exact_match,
-    majority_answer,
-    markdown_table,
-    pass_at_k,
-    score,
+    answers_match, exact_match, majority_answer, markdown_table, pass_at_k, score,
 )
 
 MESH = RuntimeParams(mesh={"fsdp": 4, "tp": 2})

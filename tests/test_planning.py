@@ -11,14 +11,7 @@ from kedro.framework.startup import bootstrap_project
 
 from tunix_pipeline.config import LoraParams, ModelParams, PlanParams, RuntimeParams, SftParams, TokenizeParams
 from tunix_pipeline.planning import (
-    DoesNotFit,
-    TrainSetup,
-    build_plan,
-    estimate_memory,
-    from_hf_config,
-    markdown,
-    resolve,
-    xla,
+    DoesNotFit, TrainSetup, build_plan, estimate_memory, from_hf_config, markdown, resolve, xla,
 )
 from tunix_pipeline.planning.architecture import lora_targets
 from tunix_pipeline.planning.job import Job
@@ -82,7 +75,6 @@ def test_parameter_count_is_the_abstract_models():
     abstract = nnx.eval_shape(lambda: family.model_class(cfg, rngs=nnx.Rngs(0)))
     assert sum(x.size for x in __import__("jax").tree.leaves(nnx.state(abstract, nnx.Param))) == GEMMA_2B.params
     assert 2.50e9 < GEMMA_2B.params < 2.52e9
-
 
 
 def test_a_data_axis_is_gathered_not_split_by_tunix_models():

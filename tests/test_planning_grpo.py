@@ -5,13 +5,7 @@ import pytest
 import yaml
 
 from tunix_pipeline.config import (
-    GrpoParams,
-    LoraParams,
-    ModelParams,
-    PlanParams,
-    RuntimeParams,
-    SftParams,
-    TokenizeParams,
+    GrpoParams, LoraParams, ModelParams, PlanParams, RuntimeParams, SftParams, TokenizeParams,
 )
 from tunix_pipeline.planning import build_plan
 from tunix_pipeline.planning.grpo import add_grpo

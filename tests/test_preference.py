@@ -347,13 +347,7 @@ def test_plan_holds_a_reference_only_for_dpo_without_precomputed_log_probs():
     import yaml
 
     from tunix_pipeline.config import (
-        LoraParams,
-        ModelParams,
-        PlanParams,
-        PreferenceParams,
-        RuntimeParams,
-        SftParams,
-        TokenizeParams,
+        LoraParams, ModelParams, PlanParams, PreferenceParams, RuntimeParams, SftParams, TokenizeParams,
     )
     from tunix_pipeline.planning import build_plan
     from tunix_pipeline.planning.preference import add_preference

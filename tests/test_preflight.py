@@ -17,14 +17,8 @@ from tunix_pipeline.config.validation import ConfigError
 from tunix_pipeline.models.errors import ModelError
 from tunix_pipeline.run.errors import HarnessError, UserError
 from tunix_pipeline.run.preflight import (
-    check_harness,
-    check_init_from,
-    check_lengths,
-    check_previous_root,
-    check_reached_stages,
-    check_rewards,
-    model_max_positions,
-    reached_stages,
+    check_harness, check_init_from, check_lengths, check_previous_root, check_reached_stages, check_rewards,
+    model_max_positions, reached_stages,
 )
 from tunix_pipeline.stages import GRPO, PREFERENCE, SFT
 from tunix_pipeline.train.checkpoints import CheckpointError

@@ -15,24 +15,13 @@ import torch
 import transformers
 
 from tunix_pipeline.config import (
-    FormatParams,
-    IngestParams,
-    LoraParams,
-    ModelParams,
-    RuntimeParams,
-    SftParams,
-    TokenizeParams,
+    FormatParams, IngestParams, LoraParams, ModelParams, RuntimeParams, SftParams, TokenizeParams,
 )
 from tunix_pipeline.data.formatting import format_records
 from tunix_pipeline.data.ingest import ingest
 from tunix_pipeline.data.tokenization import tokenize_split
 from tunix_pipeline.models import (
-    ModelError,
-    apply_lora,
-    compute_logits,
-    export_pretrained,
-    load_pretrained,
-    resolve_model_dir,
+    ModelError, apply_lora, compute_logits, export_pretrained, load_pretrained, resolve_model_dir,
 )
 from tunix_pipeline.models.gguf import sha256_file
 from tunix_pipeline.models.hub import read_hf_config

@@ -25,13 +25,7 @@ from tunix.models.gemma3 import model as gemma3_lib
 from tunix.models.gemma3 import params_safetensors as gemma3_safetensors
 
 from tunix_pipeline.config import (
-    ExportParams,
-    FormatParams,
-    GrpoParams,
-    LoraParams,
-    ModelParams,
-    RuntimeParams,
-    SftParams,
+    ExportParams, FormatParams, GrpoParams, LoraParams, ModelParams, RuntimeParams, SftParams,
 )
 from tunix_pipeline.models import apply_lora, compute_logits, load_model
 from tunix_pipeline.models.families.gemma2 import Gemma2

@@ -8,47 +8,22 @@ is the value `conf/base` gives it (`tests/test_config_defaults.py`).
 
 from tunix_pipeline.config.base import Strict
 from tunix_pipeline.config.data import (
-    FormatParams,
-    HubDataset,
-    IngestParams,
-    SourceParams,
-    TokenizeParams,
-)
-from tunix_pipeline.config.evaluate import (
-    EvaluateParams,
-    ExportParams,
-    HarnessParams,
-    RegistryParams,
-    SystemMetricsParams,
-    TrackingParams,
-    WandbParams,
+    HubDataset, SourceParams, IngestParams, FormatParams, TokenizeParams,
 )
 from tunix_pipeline.config.model import (
-    LoraParams,
-    ModelParams,
-    TinyModelParams,
-)
-from tunix_pipeline.config.plan import (
-    HardwareProfile,
-    PlanBudget,
-    PlanParams,
-    XlaCheckParams,
-)
-from tunix_pipeline.config.polish import (
-    GrpoParams,
-    JudgeParams,
-    PairsFromRewardsParams,
-    PreferenceParams,
-    RewardParams,
+    TinyModelParams, LoraParams, ModelParams,
 )
 from tunix_pipeline.config.training import (
-    DEFAULT_LOSS_CHUNK,
-    CheckpointSettings,
-    DevEvalParams,
-    DistributedParams,
-    OptimizerSettings,
-    RuntimeParams,
-    SftParams,
+    DEFAULT_LOSS_CHUNK, DistributedParams, RuntimeParams, OptimizerSettings, CheckpointSettings, DevEvalParams, SftParams,
+)
+from tunix_pipeline.config.evaluate import (
+    HarnessParams, EvaluateParams, ExportParams, WandbParams, SystemMetricsParams, RegistryParams, TrackingParams,
+)
+from tunix_pipeline.config.polish import (
+    JudgeParams, RewardParams, GrpoParams, PairsFromRewardsParams, PreferenceParams,
+)
+from tunix_pipeline.config.plan import (
+    HardwareProfile, PlanBudget, XlaCheckParams, PlanParams,
 )
 
 __all__ = [

@@ -11,6 +11,7 @@ from tunix_pipeline.config.base import Strict
 from tunix_pipeline.config.data import IngestParams
 from tunix_pipeline.config.training import CheckpointSettings, DevEvalParams, OptimizerSettings
 
+
 # the judge's default rubric: the question, the policy's completion and the reference (when the row has one)
 DEFAULT_RUBRIC = (
     "You are grading a student's answer.\n\nQuestion:\n{prompt}\n\nReference answer:\n{reference}\n\n"

@@ -71,7 +71,6 @@ def evaluate_loss(model, rows: pd.DataFrame, batch_size: int, mesh) -> dict:
     return {"loss": loss, "perplexity": float(np.exp(loss)), "tokens": int(count)}
 
 
-
 # ---------------------------------------------------------------- answers
 def exact_match(predicted: str | None, reference: str) -> bool:
     return predicted is not None and normal(predicted) == normal(str(reference))

@@ -16,9 +16,9 @@ import dataclasses
 from tunix_pipeline.config import ModelParams, PlanParams, RuntimeParams, SftParams, TokenizeParams
 from tunix_pipeline.planning.architecture import Architecture, PlanError, from_hf_config, resolve
 from tunix_pipeline.planning.goodput import padding_of
+from tunix_pipeline.planning.memory import MemoryEstimate, TrainSetup, estimate_memory
 from tunix_pipeline.planning.hardware import detect_profile
 from tunix_pipeline.planning.job import Job, make_job
-from tunix_pipeline.planning.memory import MemoryEstimate, TrainSetup, estimate_memory
 from tunix_pipeline.planning.plan import DoesNotFit, Plan, Row, make_plan
 from tunix_pipeline.planning.report import markdown, refusal
 from tunix_pipeline.planning.xla_check import check_against_xla, with_xla_check

@@ -21,10 +21,7 @@ from tunix_pipeline.config import RuntimeParams, SourceParams, TrackingParams
 from tunix_pipeline.config.validation import check_parameters, validate_section
 from tunix_pipeline.run.processes import is_main_process
 from tunix_pipeline.run.runtime import (
-    check_shared_folders,
-    configure_host_devices,
-    initialize_distributed,
-    orbax_folders,
+    check_shared_folders, configure_host_devices, initialize_distributed, orbax_folders,
 )
 from tunix_pipeline.run.sessions import Ledger, SessionPlanDone, SessionsParams, brief, expectation, over_weekly_budget
 from tunix_pipeline.stages import POLISH, SFT, STAGES, TRAINING_NODES

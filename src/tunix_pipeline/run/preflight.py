@@ -12,14 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tunix_pipeline.config import (
-    EvaluateParams,
-    GrpoParams,
-    JudgeParams,
-    ModelParams,
-    PreferenceParams,
-    RewardParams,
-    RuntimeParams,
-    SftParams,
+    EvaluateParams, GrpoParams, JudgeParams, ModelParams, PreferenceParams, RewardParams, RuntimeParams, SftParams,
 )
 from tunix_pipeline.config.validation import ConfigError, validate_section
 from tunix_pipeline.stages import GRPO, PREFERENCE, SFT, STAGES, Stage

@@ -42,7 +42,6 @@ def configure_host_devices(count: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} {FAKE_DEVICES_FLAG}={count}".strip()
 
 
-
 # XLA:CPU's default hands every dot to YNNPACK on its own ("individual dot") and
 # then lays the backward pass out with transposing copies of each MLP activation
 # gradient (slow strided loops). Letting YNNPACK fuse dots with their neighbours

@@ -87,7 +87,6 @@ class PromptFeed:
                 yield {k: v[idx] for k, v in self.columns.items()}
 
 
-
 # ---------------------------------------------------------------- the run
 @dataclass(frozen=True)
 class GrpoInputs:

@@ -35,7 +35,6 @@ REWARD_COLUMNS = {"answer": "answer", "id": "id", "source": "source", "reference
                   "open_ended": "open_ended"}
 
 
-
 class RewardError(UserError, ValueError):
     """A `grpo.rewards` entry that names no usable reward function, or one that returns unusable scores."""
 

@@ -22,13 +22,7 @@ from tunix_pipeline.run.runtime import global_batch_size, process_rows
 from tunix_pipeline.stages import StageResult
 from tunix_pipeline.train import checkpoints
 from tunix_pipeline.train.loop import (
-    BatchFeed,
-    end_run,
-    eval_batches,
-    examples_per_row,
-    fit,
-    restored_trainer,
-    trainer_config,
+    BatchFeed, end_run, eval_batches, examples_per_row, fit, restored_trainer, trainer_config,
 )
 from tunix_pipeline.train.loss import loss_fn_for, model_inputs
 

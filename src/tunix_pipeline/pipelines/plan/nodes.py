@@ -1,12 +1,5 @@
 from tunix_pipeline.config import (
-    ExportParams,
-    GrpoParams,
-    ModelParams,
-    PlanParams,
-    PreferenceParams,
-    RuntimeParams,
-    SftParams,
-    TokenizeParams,
+    ExportParams, GrpoParams, ModelParams, PlanParams, PreferenceParams, RuntimeParams, SftParams, TokenizeParams,
     TrackingParams,
 )
 from tunix_pipeline.planning import build_plan, grpo_xla, markdown, with_xla_check

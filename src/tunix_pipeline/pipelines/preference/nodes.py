@@ -5,13 +5,7 @@ import mlflow
 import pandas as pd
 
 from tunix_pipeline.config import (
-    FormatParams,
-    GrpoParams,
-    ModelParams,
-    PlanParams,
-    PreferenceParams,
-    RuntimeParams,
-    TrackingParams,
+    FormatParams, GrpoParams, ModelParams, PlanParams, PreferenceParams, RuntimeParams, TrackingParams,
 )
 from tunix_pipeline.data.formatting import format_records
 from tunix_pipeline.data.ingest import ingest

@@ -5,14 +5,7 @@ import mlflow
 import pandas as pd
 
 from tunix_pipeline.config import (
-    ExportParams,
-    GrpoParams,
-    ModelParams,
-    PlanParams,
-    PreferenceParams,
-    RuntimeParams,
-    SftParams,
-    TokenizeParams,
+    ExportParams, GrpoParams, ModelParams, PlanParams, PreferenceParams, RuntimeParams, SftParams, TokenizeParams,
     TrackingParams,
 )
 from tunix_pipeline.evaluate.dev_eval import DevEval, log_curve
