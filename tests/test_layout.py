@@ -119,3 +119,48 @@ def test_modules_and_functions_stay_short():
                     long_functions.append(f"{path.relative_to(PACKAGE)}:{node.name} ({lines} lines)")
     assert not long_modules, f"split these modules by job: {long_modules}"
     assert not long_functions, f"split these functions: {long_functions}"
+
+
+# The same words in other vocabularies, not the stages: a data format (rows of prompt/chosen/rejected) and GRPO's
+# loss variant, named as Tunix names them.
+OTHER_VOCABULARIES = {
+    ("config/data.py", "preference"), ("config/polish.py", "preference"), ("data/readers.py", "preference"),
+    ("data/ingest.py", "preference"), ("config/polish.py", "grpo"), ("upstream/rl.py", "grpo"),
+}
+
+
+def stage_of(path: str) -> str | None:
+    """The stage a module belongs to, by its place: `pipelines/<stage>/`, `train/<stage>.py`, `planning/<stage>*.py`."""
+    parts = path.removesuffix(".py").split("/")
+    if parts[0] == "pipelines" and len(parts) > 2:
+        return parts[1]
+    if parts[0] in ("train", "planning"):
+        return parts[-1].split("_")[0]
+    return None
+
+
+def test_stage_names_appear_only_in_the_registry_and_each_stages_own_modules():
+    from tunix_pipeline.stages import STAGES
+
+    names = {stage.name for stage in STAGES}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        if where == "stages.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Constant) and node.value in names and stage_of(where) != node.value
+                    and (where, node.value) not in OTHER_VOCABULARIES):
+                found.append(f"{where}:{node.lineno} {node.value!r}")
+    assert not found, "a stage named outside the registry (use its Stage from tunix_pipeline.stages):\n" + "\n".join(found)
+
+
+def test_every_stage_has_its_checks_and_every_polish_stage_its_planning_module():
+    from tunix_pipeline.planning import stage_planning
+    from tunix_pipeline.run.preflight import STAGE_CHECKS
+    from tunix_pipeline.stages import POLISH, STAGES
+
+    assert set(STAGE_CHECKS) == {stage.name for stage in STAGES}
+    for stage in POLISH:
+        module = stage_planning(stage)
+        assert callable(module.add_stage) and callable(module.markdown_section), stage.name

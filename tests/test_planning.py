@@ -294,3 +294,31 @@ def test_the_preflight_warns_and_goes_on_when_risky(caplog):
     assert "large model on a small GPU" in caplog.text
     off = plan.model_copy(update={"enabled": False})
     assert check_sft_fits(base, rows, None, model, sft, RuntimeParams(), TokenizeParams(max_length=256), off)[1] == {"status": "skipped"}
+
+
+@pytest.mark.parametrize("family", ["gemma3-mqa", "gemma3-mha", "gemma3-gqa-attention-only", "qwen3"])
+def test_the_plans_adapter_count_is_the_models(tmp_path, family):
+    """The plan's LoRA adapters (their weights, gradients, optimizer state and checkpoint bytes) count what qwix puts
+    on Tunix's model: Gemma's fused kv (or qkv) einsum takes one adapter, its input side once."""
+    import transformers
+
+    from tunix_pipeline.models import load_run_model, parameter_counts
+    from tunix_pipeline.models.hub import read_hf_config
+    from tunix_pipeline.planning.architecture import from_hf_config
+
+    from .parity import save_hf_model
+
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 head_dim=16, pad_token_id=0)
+    gemma = {**shape, "query_pre_attn_scalar": 16}
+    config, lora = {
+        "gemma3-mqa": (transformers.Gemma3TextConfig(**gemma, num_key_value_heads=1), LoraParams(rank=4)),
+        "gemma3-mha": (transformers.Gemma3TextConfig(**gemma, num_key_value_heads=4), LoraParams(rank=4)),
+        "gemma3-gqa-attention-only": (transformers.Gemma3TextConfig(**gemma, num_key_value_heads=2),
+                                      LoraParams(rank=4, target_modules=".*attn.*(kv_einsum|q_einsum).*")),
+        "qwen3": (transformers.Qwen3Config(**shape, num_key_value_heads=2), LoraParams(rank=4)),
+    }[family]
+    folder = save_hf_model(config, tmp_path / family)
+    model, _ = load_run_model(folder, ModelParams(lora=lora), None)
+    arch = from_hf_config(read_hf_config(folder))
+    assert arch.lora_params(lora.rank, lora_targets(lora.target_modules)) == parameter_counts(model)["trainable_params"]

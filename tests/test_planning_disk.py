@@ -90,7 +90,7 @@ def test_a_lora_checkpoint_holds_the_adapters_and_their_moments_only(tmp_path):
     root = str(tmp_path / "working")
     ckpt = _outputs(_plan(root, f"{root}/ckpt", mode="lora"))["sft checkpoints"]
     assert ckpt["parts_gb"]["weights"] < 0.05 and ckpt["parts_gb"]["optimizer"] == pytest.approx(
-        2 * ckpt["parts_gb"]["weights"], rel=1e-3)
+        2 * ckpt["parts_gb"]["weights"], rel=3e-3)  # parts_gb: 4 decimals
 
 
 def test_over_the_session_disk_is_over_and_says_what_to_change(tmp_path):

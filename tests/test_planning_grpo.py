@@ -220,7 +220,7 @@ def test_gemma_3s_update_compiles_for_a_kaggle_v5e_8():
     completion's positions, Tunix's logit slice as a prefix of the kept positions miscompiled there ("Bitcast
     cannot have different shape sizes", 320-token completions of a 262,144-word vocabulary)."""
     from tunix_pipeline.planning import grpo_xla, xla
-    from tunix_pipeline.planning.grpo import update_setup
+    from tunix_pipeline.planning.grpo_shapes import update_setup
 
     recipe = yaml.safe_load((ROOT / "conf/kaggle_gemma3_1b_v5e8/parameters.yml").read_text())
     source = recipe["model"]["source"]
@@ -245,7 +245,7 @@ def test_tpu_fulls_grpo_update_is_estimated_within_10_percent_of_xla_tpu():
     layer's gathered weights)."""
     from benchmarks.grpo_tpu import recipe_plan
     from tunix_pipeline.planning import grpo_xla, xla
-    from tunix_pipeline.planning.grpo import update_setup
+    from tunix_pipeline.planning.grpo_shapes import update_setup
 
     plan, model, grpo, _ = recipe_plan("tpu_full")
     assert model.dtype == "bfloat16" and model.lora is None  # as session 3 loads it

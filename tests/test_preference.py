@@ -322,7 +322,7 @@ def test_pairs_from_rewards_name_preferences_own_prompt_limit(tmp_path, tokenize
 def test_pairs_from_data_are_ingested_and_formatted_by_the_node(tmp_path, tiny_model_dir):
     import json
 
-    from tunix_pipeline.config import FormatParams, GrpoParams, ModelParams, PreferenceParams, RuntimeParams
+    from tunix_pipeline.config import FormatParams, ModelParams, PreferenceParams, RuntimeParams
     from tunix_pipeline.pipelines.preference.nodes import build_pairs
 
     path = tmp_path / "pairs.csv"
@@ -333,7 +333,7 @@ def test_pairs_from_data_are_ingested_and_formatted_by_the_node(tmp_path, tiny_m
                      "columns": {"prompt": "question", "chosen": "good", "rejected": "bad"}}],
         "eval_fraction": 0.0})
     train, held_out, report = build_pairs(
-        None, None, {"path": str(tiny_model_dir)}, {}, ModelParams(), params, GrpoParams(max_steps=1), FormatParams(),
+        None, None, {"path": str(tiny_model_dir)}, {}, ModelParams(), params, [], FormatParams(),
         RuntimeParams())
     assert sorted(train["answer"]) == ["2", "4"] and len(held_out) == 0
     assert report["data_quality"]["sources"]["csv"]["dropped"] == {"empty_field:bad": 1}

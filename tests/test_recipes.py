@@ -375,12 +375,13 @@ def test_every_session_of_the_kaggle_recipes_fits_the_saved_output(params, env):
     within its 73 GB (planning/disk.py, the figures of each recipe's comment and docs/plan.md's Disk section)."""
     from tunix_pipeline.planning.disk import GB as DISK_GB
     from tunix_pipeline.planning.disk import disk_sessions, plan_disk
+    from tunix_pipeline.stages import STAGES
 
     p = params[env]
     plan = _plan(params, env)
     hw = plan.selected.hw
     disk = plan_disk(plan.job.arch, plan.selected.setup, hw,
-                     disk_sessions(p["model"], p["sft"], p["preference"], p["grpo"], p["sessions"], plan.job.max_steps),
+                     disk_sessions(p["model"], {s.name: p[s.name] for s in STAGES}, p["sessions"], plan.job.max_steps),
                      p["export"], p["tracking"], p["runtime"].output_root)  # /kaggle/working on Kaggle
     assert (hw.saved_output_gb, hw.disk_gb) == (20, 73) and disk["volumes"]["fresh_root_each_session"]
     assert disk["status"] == "ok", disk["messages"]

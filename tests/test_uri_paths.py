@@ -51,6 +51,21 @@ def test_local_paths_resolve_and_uris_stay_as_given(tmp_path, monkeypatch):
         storage_path("s3://b/x", "export.output_dir")
 
 
+def test_every_location_setting_is_checked_with_its_section():
+    """A location a stage would only reach hours in fails where its section validates, naming the setting."""
+    from tunix_pipeline.config import GrpoParams, SftParams
+    from tunix_pipeline.config.validation import ConfigError, validate_section
+
+    with pytest.raises(ConfigError, match=r"; sft.init_from: ftp://host/run is a ftp:// URI; use a local"):
+        validate_section({"sft": {"init_from": "ftp://host/run"}}, "sft", SftParams)
+    with pytest.raises(ConfigError, match=r"^parameters: grpo.checkpoint_dir: s3://b/x needs s3fs"):
+        validate_section({"grpo": {"checkpoint_dir": "s3://b/x"}}, "grpo", GrpoParams)
+    with pytest.raises(ConfigError, match=r"^parameters: export.gguf_dir: az://b/x needs adlfs"):
+        validate_section({"export": {"gguf_dir": "az://b/x"}}, "export", ExportParams)
+    with pytest.raises(ConfigError, match=r"^parameters: runtime.output_root: ftp://h/x is a ftp:// URI"):
+        validate_section({"runtime": {"output_root": "ftp://h/x"}}, "runtime", RuntimeParams)
+
+
 def test_sft_checkpoints_resume_restore_and_export_through_gs(bucket, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # where a mangled `gs:` folder would appear
     mesh = make_mesh(MESH)

@@ -8,7 +8,8 @@ off or has nothing to learn from it passes that policy on (`skips.passed_through
 Adding a polish stage: its module under `train/` (the training, returning a `StageResult`), its pipeline package
 under `pipelines/` (its train node named `train_node`, reading `parent_result`, writing `result`, then
 `evaluate.policies.evaluate_after`), its config section with `enabled`, `strict` and `checkpoint_dir`, its
-planning module `planning/<name>.py` (`markdown_section`, the plan's report section), and one entry in `STAGES`.
+planning module `planning/<name>.py` (`add_stage`, its figures in the plan, and `markdown_section`, its section of
+the plan's report), its checks before the run (`run.preflight.STAGE_CHECKS`), and one entry in `STAGES`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class Curve:
     label: str
     log: bool = False  # on a log scale (a loss that falls by orders of magnitude)
     twin: bool = False  # on a second y axis, for a scale of its own (GRPO's KL beside its reward)
+    every_step: bool = True  # every step of the history holds it (the smoke checks); False: only some do
 
 
 @dataclass(frozen=True)
@@ -33,9 +35,16 @@ class Stage:
     title: str  # in reports and figures
     train_node: str
     parent: str | None  # the stage whose policy this one starts from
-    history_keys: tuple[str, ...] = ()  # what each step of its history must hold (the smoke checks)
     time_budget: bool = False  # its section has `time_budget_hours` (a session's hours bound it)
-    curves: tuple[Curve, ...] = ()  # its panel in the training curves
+    curves: tuple[Curve, ...] = ()  # its panel in the training curves: the keys of its history
+    # figures the stage measures itself on the policy it started from and on its own, as (key of the first, key of
+    # the second) in its result: its evaluation shows them beside the shared metrics, under the second key
+    own_figures: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def history_keys(self) -> tuple[str, ...]:
+        """What each step of its history holds (the smoke checks)."""
+        return tuple(curve.key for curve in self.curves if curve.every_step)
 
     @property
     def result(self) -> str:
@@ -74,17 +83,18 @@ class StageResult(TypedDict, total=False):
     start_step: int
     start_selected: int
     title: str  # how the reports name its policy where the stage's own title says less (the preference stage: DPO)
+    evaluation_note: str | None  # a line of its own for the evaluation report (GRPO: its reward's trend)
     history: list[dict]  # a record per step: its `step`, `loss` and the stage's own curves (`Stage.history_keys`)
 
 
-SFT = Stage("sft", "SFT", "train_sft", parent=None, history_keys=("loss",), time_budget=True,
+SFT = Stage("sft", "SFT", "train_sft", parent=None, time_budget=True,
             curves=(Curve("loss", "train loss", log=True),))
-PREFERENCE = Stage("preference", "preference", "run_preference", parent="sft",
-                   history_keys=("loss", "rewards/margin"), time_budget=True,
+PREFERENCE = Stage("preference", "preference", "run_preference", parent="sft", time_budget=True,
                    curves=(Curve("loss", "loss"), Curve("rewards/margin", "reward margin"),
-                           Curve("rewards/accuracy", "pair accuracy")))
-GRPO = Stage("grpo", "GRPO", "run_grpo", parent="preference", history_keys=("reward",),
-             curves=(Curve("reward", "total reward"), Curve("kl", "KL", twin=True)))
+                           Curve("rewards/accuracy", "pair accuracy", every_step=False)),
+                   own_figures=(("heldout_pair_accuracy_before", "heldout_pair_accuracy"),))
+GRPO = Stage("grpo", "GRPO", "run_grpo", parent="preference",
+             curves=(Curve("reward", "total reward"), Curve("kl", "KL", twin=True, every_step=False)))
 STAGES = (SFT, PREFERENCE, GRPO)
 POLISH = tuple(stage for stage in STAGES if stage.parent is not None)  # optional: off passes the policy on
 TRAINING_NODES = frozenset(stage.train_node for stage in STAGES)

@@ -1,6 +1,21 @@
-"""The base of every settings section."""
+"""The base of every settings section, and the type of its output locations."""
 
-from pydantic import BaseModel, ConfigDict
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict
+
+
+def _reachable(value: str) -> str:
+    from tunix_pipeline.run.paths import location_problem
+
+    if (problem := location_problem(value)) is not None:
+        raise ValueError(problem)
+    return value
+
+
+# an output location: a local folder or an object-store URI (`gs://bucket/run`), checked once when its section
+# validates (a URI epath cannot reach, or whose package is missing, names the setting before any stage runs)
+Location = Annotated[str, AfterValidator(_reachable)]
 
 
 class Strict(BaseModel):

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from tunix_pipeline.config.base import Strict
+from tunix_pipeline.config.base import Location, Strict
 from tunix_pipeline.config.polish import JudgeParams
 
 
@@ -72,14 +72,14 @@ class EvaluateParams(Strict):
         return self
 
 class ExportParams(Strict):
-    output_dir: str = "data/06_models/exported"  # a local folder or a gs://bucket/path URI
+    output_dir: Location = "data/06_models/exported"  # a local folder or a gs://bucket/path URI
     max_shard_size: str = "2GB"
     # the folder's weights: null as trained (model.dtype); bfloat16 ships float32 masters at half the bytes
     dtype: Literal["float32", "bfloat16"] | None = None
     # hf: the Hugging Face folder (always: the other stages and vLLM read it); gguf: also GGUF files and an
     # Ollama Modelfile in gguf_dir, one file per type in gguf_types
     formats: list[Literal["hf", "gguf"]] = ["hf"]
-    gguf_dir: str = "data/06_models/gguf"  # a local folder or a gs://bucket/path URI
+    gguf_dir: Location = "data/06_models/gguf"  # a local folder or a gs://bucket/path URI
     gguf_types: list[Literal["f32", "f16", "bf16", "q8_0"]] = Field(["f16", "q8_0"], min_length=1)
 
     @model_validator(mode="after")

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from tunix_pipeline.config.base import Strict
+from tunix_pipeline.config.base import Location, Strict
 from tunix_pipeline.config.data import IngestParams
 from tunix_pipeline.config.training import CheckpointSettings, DevEvalParams, OptimizerSettings
 
@@ -117,7 +117,7 @@ class GrpoParams(OptimizerSettings, CheckpointSettings):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, gt=0)
     learning_rate: float = Field(1e-5, gt=0)
-    checkpoint_dir: str = "data/06_models/grpo_checkpoints"
+    checkpoint_dir: Location = "data/06_models/grpo_checkpoints"
     # as sft.dev_eval: score the dev split every N steps, keep and hand on the best step; null: the latest
     dev_eval: DevEvalParams | None = None
     seed: int = 0
@@ -191,7 +191,7 @@ class PreferenceParams(OptimizerSettings, CheckpointSettings):
     per_device_batch_size: int = Field(2, gt=0, description="pairs per data-parallel device")
     max_steps: int = Field(20, gt=0)
     learning_rate: float = Field(5e-6, gt=0)
-    checkpoint_dir: str = "data/06_models/preference_checkpoints"
+    checkpoint_dir: Location = "data/06_models/preference_checkpoints"
     keep_checkpoints: int = Field(2, gt=0)
     time_budget_hours: float | None = Field(None, gt=0)
     seed: int = 0

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from tunix_pipeline.config.base import Strict
+from tunix_pipeline.config.base import Location, Strict
 
 # completion positions per row in each chunk of the output layer: [batch, 128, vocabulary] float32 logits at a
 # time (Gemma's 262k words: 128 MiB a row), few enough chunks that a row's last one is mostly full
@@ -25,7 +25,7 @@ class DistributedParams(Strict):
 class RuntimeParams(Strict):
     # the folder every output goes under (the catalog reads the same value through globals/runtime_params);
     # the checkpoints, sessions ledger and export under it also accept a gs://bucket/path URI (`gcs` extra)
-    output_root: str = "data"
+    output_root: Location = "data"
     # Fake CPU devices to expose when JAX runs on the CPU (no effect on GPU/TPU).
     host_device_count: int = Field(8, ge=1)
     # "auto": every device on the fsdp axis; or explicit sizes, e.g. {data: 2, fsdp: 4, tp: 1}
@@ -72,7 +72,7 @@ class CheckpointSettings(Strict):
     """Where and how often a training stage saves its Orbax checkpoints (and resumes from the latest good one).
     A stage gives `checkpoint_dir` its own default."""
 
-    checkpoint_dir: str  # a local folder or a gs://bucket/path URI
+    checkpoint_dir: Location  # a local folder or a gs://bucket/path URI
     checkpoint_every: int = Field(100, gt=0)
     keep_checkpoints: int = Field(3, gt=0)
 
@@ -104,7 +104,7 @@ class SftParams(OptimizerSettings, CheckpointSettings):
     remat: Literal["none", "attention", "decoder"] = "none"
     # the output layer and cross-entropy run over this many completion positions of every row at a time
     loss_chunk_size: int = Field(DEFAULT_LOSS_CHUNK, gt=0)
-    checkpoint_dir: str = "data/06_models/sft_checkpoints"
+    checkpoint_dir: Location = "data/06_models/sft_checkpoints"
     checkpoint_every: int = Field(gt=0)
     eval_every: int | None = Field(None, gt=0)
     # score the dev split every N steps and keep the best step by lenient accuracy (`DevEvalParams`); null: off,
@@ -116,7 +116,7 @@ class SftParams(OptimizerSettings, CheckpointSettings):
     seed: int = 0
     # start from another run's checkpoint folder (full or LoRA, its latest step): its weights, with this
     # run's data, a fresh optimizer and step 0. Not a resume: an interrupted run resumes from checkpoint_dir.
-    init_from: str | None = None
+    init_from: Location | None = None
 
     @model_validator(mode="before")
     @classmethod

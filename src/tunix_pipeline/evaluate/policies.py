@@ -156,15 +156,14 @@ def _after_stage(stage: Stage, title, eval_tokens, eval_formatted, base_model, s
             harness_results[label] = harness.measure(label)
     if harness:
         harness.close()
-    if "heldout_pair_accuracy" in result:
-        results[stage.name]["heldout_pair_accuracy"] = result["heldout_pair_accuracy"]
-        results[start]["heldout_pair_accuracy"] = result["heldout_pair_accuracy_before"]
+    for before, after in stage.own_figures:  # what the stage measured on both policies, beside the evaluation's
+        if after in result:
+            results[stage.name][after], results[start][after] = result[after], result[before]
     evaluation.with_paired(results, samples, start, stage.name)
     report = f"# Evaluation after {title}\n\n" + evaluation.score_table(results) + "\n"
     report += evaluation.markdown_table(results, delta=(start, stage.name))
     report += evaluation.open_ended_note(results)
-    if result.get("reward_trend"):
-        rewards = ", ".join(f"{h['reward']:.2f}" for h in result["history"] if h.get("reward") is not None)
-        report += f"\nGRPO's {result['reward_trend']['summary']} ({rewards}).\n"
+    if result.get("evaluation_note"):
+        report += f"\n{result['evaluation_note']}\n"
     report = _with_harness(results, report, harness_results, (start, stage.name))
     return results, pd.concat(samples.values(), ignore_index=True), report

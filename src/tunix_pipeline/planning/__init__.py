@@ -20,6 +20,7 @@ from tunix_pipeline.planning.memory import MemoryEstimate, TrainSetup, estimate_
 from tunix_pipeline.planning.hardware import detect_profile
 from tunix_pipeline.planning.job import Job, make_job
 from tunix_pipeline.planning.plan import DoesNotFit, Plan, Row, make_plan
+from tunix_pipeline.planning.polish import PlannedStage, stage_planning
 from tunix_pipeline.planning.report import markdown, refusal
 from tunix_pipeline.planning.xla_check import check_against_xla, with_xla_check
 
@@ -30,11 +31,13 @@ __all__ = [
     "MemoryEstimate",
     "Plan",
     "PlanError",
+    "PlannedStage",
     "Row",
     "TrainSetup",
     "build_plan",
     "check_against_xla",
     "with_xla_check",
+    "stage_planning",
     "estimate_memory",
     "from_hf_config",
     "markdown",

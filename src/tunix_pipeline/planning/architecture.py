@@ -65,7 +65,9 @@ class Architecture:
         return self.embedding_params + self.num_layers * (self.layer_matrix_params + self.layer_vector_params) + self.hidden_size
 
     def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
-        """Adapter weights: rank x (inputs + outputs) of every targeted projection."""
+        """Adapter weights: rank x (inputs + outputs) of every targeted projection. Tunix's Gemma models project
+        k and v with one einsum (q, k and v with one where there are as many kv heads as heads): one adapter,
+        its input side once, covers the whole einsum when any of its projections is targeted."""
         d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
         shapes = {
             "q": (d, self.num_heads * h),
@@ -76,7 +78,16 @@ class Architecture:
             "up": (d, f),
             "down": (f, d),
         }
-        return self.num_layers * sum(rank * sum(shapes[t]) for t in targets)
+        fused = ()
+        if self.model_type.startswith("gemma"):
+            fused = (("q", "k", "v"),) if self.num_heads == self.num_kv_heads else (("k", "v"),)
+        per_layer, alone = 0, set(targets)
+        for group in fused:
+            if alone & set(group):
+                per_layer += rank * (d + sum(shapes[t][1] for t in group))
+                alone -= set(group)
+        per_layer += sum(rank * sum(shapes[t]) for t in targets if t in alone)
+        return self.num_layers * per_layer
 
     # ------------------------------------------------------------ what Tunix's model computes in float32
     @property

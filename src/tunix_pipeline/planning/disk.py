@@ -25,9 +25,10 @@ import math
 import os
 from pathlib import Path
 
-from tunix_pipeline.config import GrpoParams, ModelParams, PreferenceParams, SftParams
+from tunix_pipeline.config import ModelParams
 from tunix_pipeline.planning.architecture import Architecture
 from tunix_pipeline.planning.memory import BYTES, TrainSetup, estimate_memory
+from tunix_pipeline.stages import POLISH, SFT
 
 GB = 1e9  # the volumes are quoted in GB (Kaggle's 20 GB of output, a 100 GB boot disk)
 # Orbax's files besides the arrays in a checkpoint (its metadata, the OCDBT manifest, Tunix's step
@@ -102,7 +103,7 @@ def stage_outputs(name: str, arch: Architecture, setup: TrainSetup, section, ste
     """A stage's checkpoints; for the session's `last` stage with its checkpoints outside a local output root (a
     scratch folder), also the final weights the session copies under the root for the next one
     (`final_weights.keep_for_next_session`: weights and histories, no optimizer state)."""
-    if name != "sft":  # the polish stages take no gradient accumulation
+    if name != SFT.name:  # the polish stages take no gradient accumulation
         setup = setup.replace(grad_accum=1)
     parts = checkpoint_parts(arch, setup, section, steps)
     count = kept(steps, section.checkpoint_every, section.keep_checkpoints, getattr(section, "dev_eval", None))
@@ -274,10 +275,11 @@ def disk_summary(disk: dict) -> dict:
     }
 
 
-def disk_sessions(model: ModelParams, sft: SftParams, preference: PreferenceParams, grpo: GrpoParams, sessions: dict,
+def disk_sessions(model: ModelParams, sections: dict, sessions: dict,
                   sft_steps: int | None) -> list[tuple[str, ModelParams, list]]:
     """(name, model, [(stage, its section, its steps or None)]) of every session of `sessions.plan` (each with its
-    own parameters over this run's), or of this run alone: what `planning.disk` counts the bytes of."""
+    own parameters over this run's), or of this run alone: what `planning.disk` counts the bytes of. `sections`: each
+    training stage's validated section, by its name."""
     plan_sessions = (sessions or {}).get("plan") or []
     current = ((sessions or {}).get("current") or {}).get("name")
 
@@ -285,18 +287,19 @@ def disk_sessions(model: ModelParams, sft: SftParams, preference: PreferencePara
         folder = section.checkpoint_dir.removesuffix(f"/{current}") if current else section.checkpoint_dir
         return section.model_copy(update={"checkpoint_dir": f"{folder}/{name}" if name else folder})
 
+    def first_stage(name, changes, index):  # SFT: a later session starts from the one before; 0 steps: none
+        sft, sft_changes = sections[SFT.name], changes.get(SFT.name)
+        this = sft.changed(sft_changes, {"init_from": sft.init_from or "previous session"} if index else None
+                           ) if sft_changes else sft
+        steps = this.max_steps if {"max_steps", "epochs"} & set(sft_changes or {}) else sft_steps
+        return [(SFT.name, own_folder(this, name), steps)] if steps != 0 else []
+
     def stages(name, changes, index):
-        sft_changes = changes.get("sft")
-        this_sft = sft.changed(sft_changes, {"init_from": sft.init_from or "previous session"} if index else None
-                               ) if sft_changes else sft
-        this_pref, this_grpo = preference.changed(changes.get("preference")), grpo.changed(changes.get("grpo"))
-        touched = {"max_steps", "epochs"} & set(changes.get("sft") or {})
-        steps = sft_steps if not touched else this_sft.max_steps
-        out = [("sft", own_folder(this_sft, name), steps)] if steps != 0 else []
-        if this_pref.enabled:
-            out.append(("preference", own_folder(this_pref, name), this_pref.max_steps))
-        if this_grpo.enabled:
-            out.append(("grpo", own_folder(this_grpo, name), this_grpo.max_steps))
+        out = first_stage(name, changes, index)
+        for stage in POLISH:
+            this = sections[stage.name].changed(changes.get(stage.name))
+            if this.enabled:
+                out.append((stage.name, own_folder(this, name), this.max_steps))
         return model.changed(changes.get("model")), out
 
     if not plan_sessions:

@@ -30,54 +30,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from tunix_pipeline.config import GrpoParams, PlanParams
-from tunix_pipeline.planning import judge
+from tunix_pipeline.config import GrpoParams, ModelParams, PlanParams, RuntimeParams
+from tunix_pipeline.planning import grpo_xla, judge
 from tunix_pipeline.planning.architecture import Architecture
 from tunix_pipeline.planning.decode import decode_line, decode_step, kv_cache_bytes
-from tunix_pipeline.planning.memory import GIB, NF4_BYTES, TrainSetup, estimate_memory, reference_bytes
+from tunix_pipeline.planning.grpo_shapes import decode_program_bytes, rollout_setup, update_setup
+from tunix_pipeline.planning.memory import GIB, TrainSetup, estimate_memory, reference_bytes
 from tunix_pipeline.planning.plan import Plan, Row, size
+from tunix_pipeline.planning.polish import PlannedStage
 from tunix_pipeline.stages import GRPO
-
-
-def sequences_per_device(grpo: GrpoParams, setup: TrainSetup, prompts: int | None = None) -> int:
-    """Completions a device holds: `prompts` (the batch) x G split over the data-parallel devices (whole when it
-    does not divide)."""
-    sequences = (prompts or grpo.batch_size) * grpo.num_generations
-    dp = setup.data * setup.fsdp
-    return sequences // dp if sequences % dp == 0 else sequences
-
-
-def micro_batches(grpo: GrpoParams) -> int:
-    """The update's micro-batches a step (gradients accumulated): batch / micro_batch_size, else 1."""
-    return grpo.batch_size // grpo.micro_batch_size if grpo.micro_batch_size else 1
-
-
-def update_setup(row: Row, grpo: GrpoParams) -> TrainSetup:
-    """The policy's train step on this profile: micro-batch (else batch) x G sequences of prompt + completion
-    tokens, accumulated over the micro-batches; the output layer at the completion's positions and the two
-    prompt positions before them only (`upstream.completion_logits_only`), whole."""
-    return row.setup.replace(per_device_batch=sequences_per_device(grpo, row.setup, grpo.micro_batch_size),
-                             seq_len=grpo.max_prompt_length + grpo.max_completion_length,
-                             grad_accum=micro_batches(grpo), loss_chunk=None,
-                             logit_positions=grpo.max_completion_length + 2, optimizer=grpo.optimizer,
-                             mu_dtype=grpo.mu_dtype)
-
-
-def rollout_setup(row: Row, grpo: GrpoParams) -> TrainSetup:
-    """The rollout on this profile: the whole batch x G sequences decoded together."""
-    return update_setup(row, grpo).replace(per_device_batch=sequences_per_device(grpo, row.setup), grad_accum=1)
-
-
-def decode_program_bytes(arch: Architecture, setup: TrainSetup, sequences: int) -> float:
-    """Per device: what one decode step holds: the policy (once), every weight all-gathered, the KV cache and a
-    step's float32 logits. The gathered weights are the conservative case: XLA:TPU gathers the whole fsdp-sharded
-    model for Gemma-2-2B's decode step on a v5e 2x4 (0.17 GiB more a layer; -21% at 3 layers), but not for
-    Gemma-3-1B's (0.48 GiB against 2.2 estimated), where it splits the matmuls instead."""
-    m = estimate_memory(arch, setup)
-    frozen = NF4_BYTES if setup.mode == "qlora" else setup.c_bytes
-    gathered = (arch.embedding_params + arch.num_layers * arch.layer_matrix_params) * frozen / setup.tp if setup.fsdp > 1 else 0.0
-    return (m.params - m.grads + gathered + kv_cache_bytes(arch, setup, sequences, setup.seq_len)
-            + sequences * arch.vocab_size * 4)
 
 
 def _batch_seconds(arch: Architecture, hw, setup: TrainSetup, grpo: GrpoParams, mfu: float, step: dict,
@@ -238,6 +199,21 @@ def _profile(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, session
 
 def _time(seconds: float | None) -> str:
     return "—" if seconds is None else f"{seconds:.3g}"
+
+
+def add_stage(plan: Plan, planned: PlannedStage, model: ModelParams, params: PlanParams,
+              runtime: RuntimeParams) -> Plan:
+    """The plan's step for GRPO: the model loaded as its session loads it, XLA:TPU's compiled phases where libtpu or
+    a TPU is at hand; the figures go into `plan` (its polish, warnings and status)."""
+    grpo = planned.params
+    grpo_model = model.changed(planned.session_changes.get("model"))
+    policy = loaded_in(plan, grpo_model.dtype)
+    compiled = None
+    if params.xla_check.enabled and params.xla_check.grpo and grpo.enabled:
+        compiled = grpo_xla.check(policy, grpo_model, grpo, params.xla_check.max_layers, params, runtime.decode_weights)
+    policy = add_grpo(policy, grpo, params, planned.session_hours, compiled)
+    plan.polish, plan.warnings, plan.status = policy.polish, policy.warnings, policy.status
+    return plan
 
 
 def markdown_section(plan: Plan) -> list[str]:

@@ -207,7 +207,7 @@ def whole_model(compile_at, arch: Architecture, max_layers: int | None, period: 
 def estimates(arch: Architecture, setup: TrainSetup, roll: TrainSetup | None = None) -> dict:
     """The analytic bytes of the very programs compiled: the decode step (the rollout's `roll`, else `setup`'s
     sequences) and the train step (one micro-batch)."""
-    from tunix_pipeline.planning.grpo import decode_program_bytes
+    from tunix_pipeline.planning.grpo_shapes import decode_program_bytes
 
     roll = roll or setup.replace(grad_accum=1)
     return {"generation": decode_program_bytes(arch, roll, roll.per_device_batch),
@@ -221,7 +221,7 @@ def check(plan, model, grpo: GrpoParams, max_layers: int | None = 4, params=None
     `decode_weights`: `runtime.decode_weights`); None when neither libtpu nor a TPU is at hand. A program that
     does not compile is reported as such."""
     from tunix_pipeline.planning import judge, xla
-    from tunix_pipeline.planning.grpo import rollout_setup, update_setup
+    from tunix_pipeline.planning.grpo_shapes import rollout_setup, update_setup
 
     try:
         target = xla.tpu_target(plan.selected.hw)

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from tunix_pipeline.config import DEFAULT_LOSS_CHUNK, PlanParams, PreferenceParams
+from tunix_pipeline.config import DEFAULT_LOSS_CHUNK, ModelParams, PlanParams, PreferenceParams, RuntimeParams
 from tunix_pipeline.planning import memory
 from tunix_pipeline.planning.memory import GIB, estimate_memory
 from tunix_pipeline.planning.plan import Plan, Row, size
+from tunix_pipeline.planning.polish import PlannedStage
 from tunix_pipeline.planning.xla_check import check_against_xla as sft_check
 from tunix_pipeline.stages import PREFERENCE
 
@@ -112,6 +113,19 @@ def add_preference(plan: Plan, pref: PreferenceParams, params: PlanParams) -> Pl
         )
         if plan.status == "ok":
             plan.status = "risky"
+    return plan
+
+
+def add_stage(plan: Plan, planned: PlannedStage, model: ModelParams, params: PlanParams,
+              runtime: RuntimeParams) -> Plan:
+    """The plan's step for this stage: its figures within its session's hours, checked against XLA where the plan is."""
+    pref = planned.params
+    if planned.session_hours:
+        pref = pref.model_copy(update={"time_budget_hours": planned.session_hours})
+    plan = add_preference(plan, pref, params)
+    if params.xla_check.enabled and PREFERENCE.name in plan.polish:
+        plan.polish[PREFERENCE.name]["xla_check"] = check_against_xla(plan, model, params.xla_check.max_layers,
+                                                                      params.xla_check.timeout_seconds)
     return plan
 
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
-
 from tunix_pipeline.planning.goodput import hours_text as _hours
 from tunix_pipeline.planning.goodput import markdown_lines as goodput_lines
 from tunix_pipeline.planning.memory import GIB
 from tunix_pipeline.planning.plan import Plan, Row, size
-from tunix_pipeline.stages import POLISH, Stage
+from tunix_pipeline.planning.polish import stage_planning
+from tunix_pipeline.stages import POLISH
 
 
 def _money(x: float | None) -> str:
@@ -110,7 +109,7 @@ def markdown(plan: Plan) -> str:
         lines += xla_section(plan.xla) + [""]
     planned = [stage for stage in POLISH if stage.name in plan.polish]  # the polish stages on, in the chain's order
     for stage in planned:
-        lines += _polish_section(stage, plan) + [""]
+        lines += stage_planning(stage).markdown_section(plan) + [""]
     if planned:
         lines += stages_line(plan) + [""]
     if plan.disk:
@@ -181,12 +180,6 @@ def xla_section(x: dict) -> list[str]:
             "memory than the accelerator run above; the estimate has coefficients fitted to each compiler.",
         ]
     return lines
-
-
-def _polish_section(stage: Stage, plan: Plan) -> list[str]:
-    """A polish stage's section of the report: its memory and time, from its own planning module
-    (`planning.<stage>.markdown_section`, which builds on this module's helpers: imported here, not above)."""
-    return importlib.import_module(f"tunix_pipeline.planning.{stage.name}").markdown_section(plan)
 
 
 def stages_line(plan: Plan) -> list[str]:

@@ -178,7 +178,7 @@ class TrackingHooks:
         if mlflow_runs.is_restart(run_params):
             previous = mlflow_runs.recorded_run(self._local(output_root), uri)
         else:
-            previous = mlflow_runs.recorded_run(self._local(self._params["sft"]["checkpoint_dir"]), uri) if training else None
+            previous = mlflow_runs.recorded_run(self._local(self._params[SFT.name]["checkpoint_dir"]), uri) if training else None
         resume, lineage = None, {}
         if previous is not None:
             digest = mlflow_runs.config_digest(mlflow_runs.config_yaml(self._params))
@@ -306,7 +306,7 @@ class SessionHooks:
                 "add a session to the plan, or set runtime.output_root to a new folder to start over"
             )
         ledger = self._ledger()
-        log.info("%s", brief(self._sessions, ledger, self._params["sft"]))
+        log.info("%s", brief(self._sessions, ledger, self._params[SFT.name]))
         if over_weekly_budget(self._sessions, ledger):
             log.warning("session '%s' (%g h) runs past the weekly budget of %g h: Kaggle may stop it",
                         current.name, current.hours, self._sessions.weekly_hours)

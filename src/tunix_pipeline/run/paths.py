@@ -32,16 +32,16 @@ def is_uri(value: str | os.PathLike) -> bool:
     return _URI.match(os.fspath(value)) is not None
 
 
-def storage_path(value: str | os.PathLike, setting: str = "path") -> epath.Path:
-    """`value` as an epath: a local path absolute, a URI untouched (its filesystem package checked)."""
-    text = os.fspath(value)
+def location_problem(text: str) -> str | None:
+    """Why `text` cannot be an output location on this machine (a URI that epath does not reach, or whose
+    filesystem package is not installed), or None. The settings' own type (`config.base.Location`) asks this once,
+    when their section validates."""
     match = _URI.match(text)
     if match is None:
-        return epath.Path(Path(text).resolve())
+        return None
     scheme = match.group(1)
     if scheme not in _SCHEMES:
-        raise UserError(f"{setting}: {text} is a {scheme}:// URI; use a local folder or one of "
-                        + ", ".join(f"{s}://" for s in _SCHEMES))
+        return f"{text} is a {scheme}:// URI; use a local folder or one of " + ", ".join(f"{s}://" for s in _SCHEMES)
     protocol, packages = _SCHEMES[scheme]
     try:
         import fsspec
@@ -49,11 +49,21 @@ def storage_path(value: str | os.PathLike, setting: str = "path") -> epath.Path:
         fsspec.get_filesystem_class(protocol)
         if scheme == "gs":
             import google.cloud.storage  # noqa: F401  Orbax asks it about the bucket
-    except ImportError as err:
-        raise UserError(
-            f"{setting}: {text} needs {packages} to read and write {scheme}:// ("
-            + ("install the project's gcs extra: pip install 'tunix_pipeline[gcs]')" if scheme == "gs" else "pip install them)")
-        ) from err
+    except ImportError:
+        return (f"{text} needs {packages} to read and write {scheme}:// ("
+                + ("install the project's gcs extra: pip install 'tunix_pipeline[gcs]')" if scheme == "gs"
+                   else "pip install them)"))
+    return None
+
+
+def storage_path(value: str | os.PathLike, setting: str = "path") -> epath.Path:
+    """`value` as an epath: a local path absolute, a URI untouched. A setting's value was checked when its section
+    validated; a value from elsewhere (a stage's result, the ledger) is checked here, named `setting`."""
+    text = os.fspath(value)
+    if not is_uri(text):
+        return epath.Path(Path(text).resolve())
+    if (problem := location_problem(text)) is not None:
+        raise UserError(f"{setting}: {problem}")
     return epath.Path(text)
 
 

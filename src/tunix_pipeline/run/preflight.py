@@ -99,30 +99,45 @@ def check_lengths(setting: str, prompt: int, completion: int, positions: int | N
                           f"{prompt + completion} tokens, more than the model's {positions} positions; lower them")
 
 
+# ---------------------------------------------------------------- each stage's checks
+def check_sft(params: dict, positions: int | None) -> None:
+    sft = validate_section(params, SFT.name, SftParams)
+    check_previous_root(params)
+    check_init_from(sft)
+
+
+def check_preference(params: dict, positions: int | None) -> None:
+    preference = validate_section(params, PREFERENCE.name, PreferenceParams)
+    check_lengths("preference.max_prompt_length + max_response_length", preference.max_prompt_length,
+                  preference.max_response_length, positions)
+    if preference.pairs == "from_rewards":
+        own = preference.from_rewards.rewards
+        rewards = own or validate_section(params, GRPO.name, GrpoParams).rewards
+        check_rewards(rewards, "preference.from_rewards.rewards" if own else "grpo.rewards")
+
+
+def check_grpo(params: dict, positions: int | None) -> None:
+    grpo = validate_section(params, GRPO.name, GrpoParams)
+    check_rewards(grpo.rewards, "grpo.rewards")
+    check_lengths("grpo.max_prompt_length + max_completion_length", grpo.max_prompt_length,
+                  grpo.max_completion_length, positions)
+
+
+STAGE_CHECKS = {SFT.name: check_sft, PREFERENCE.name: check_preference, GRPO.name: check_grpo}
+
+
 # ---------------------------------------------------------------- the run
 def check_reached_stages(params: dict, node_names: Iterable[str]) -> None:
     """Every check of the stages this run reaches (see the module's docstring); the first failure as one line."""
     names = set(node_names)
     stages = reached_stages(params, names)
+    if PAIRS_NODE in names and PREFERENCE not in stages and (params.get(PREFERENCE.name) or {}).get("enabled"):
+        stages.append(PREFERENCE)  # its pairs are sampled and scored in this run, its training later
     positions = model_max_positions(validate_section(params, "model", ModelParams)) if "model" in params else None
-    if SFT in stages:
-        sft = validate_section(params, "sft", SftParams)
-        check_previous_root(params)
-        check_init_from(sft)
+    for stage in stages:
+        STAGE_CHECKS[stage.name](params, positions)
     if names & {EVALUATE_NODE, *(f"evaluate_after_{stage.name}" for stage in stages)} and "evaluate" in params:
         evaluate = validate_section(params, "evaluate", EvaluateParams)
         if evaluate.judge is not None:
             check_judge(evaluate.judge, "evaluate.judge")
         check_harness(evaluate)
-    grpo = validate_section(params, "grpo", GrpoParams) if "grpo" in params else None
-    if PREFERENCE in stages or (PAIRS_NODE in names and (params.get("preference") or {}).get("enabled")):
-        preference = validate_section(params, "preference", PreferenceParams)
-        check_lengths("preference.max_prompt_length + max_response_length", preference.max_prompt_length,
-                      preference.max_response_length, positions)
-        if preference.pairs == "from_rewards":
-            own = preference.from_rewards.rewards
-            check_rewards(own or grpo.rewards, "preference.from_rewards.rewards" if own else "grpo.rewards")
-    if GRPO in stages:
-        check_rewards(grpo.rewards, "grpo.rewards")
-        check_lengths("grpo.max_prompt_length + max_completion_length", grpo.max_prompt_length,
-                      grpo.max_completion_length, positions)

@@ -23,10 +23,11 @@ from omegaconf import OmegaConf
 from pydantic import BaseModel, Field
 
 from tunix_pipeline.config import Strict
+from tunix_pipeline.config.base import Location
 from tunix_pipeline.config.validation import validate_section
 from tunix_pipeline.run.errors import UserError
 from tunix_pipeline.run.paths import is_uri, storage_path
-from tunix_pipeline.stages import POLISH
+from tunix_pipeline.stages import POLISH, SFT
 
 LEDGER = "sessions.json"
 # stored relative to the root when under it
@@ -54,7 +55,7 @@ class SessionsParams(Strict):
     plan: list[Session] = []
     weekly_hours: float | None = Field(None, gt=0)
     # where an earlier session's outputs are, read-only (e.g. /kaggle/input/<dataset>, or gs://bucket/run)
-    previous_root: str | None = None
+    previous_root: Location | None = None
     current: CurrentSession | None = None
 
 
@@ -138,8 +139,8 @@ def apply_current_session(params: dict, runtime_params: dict | None = None) -> d
     session = sessions.plan[index]
     parent = _parent(sessions.plan, index, ledger)
     overrides = {
-        "sft": {
-            "checkpoint_dir": f"{params['sft']['checkpoint_dir']}/{session.name}",
+        SFT.name: {
+            "checkpoint_dir": f"{params[SFT.name]['checkpoint_dir']}/{session.name}",
             "time_budget_hours": session.hours,
             "init_from": parent["checkpoint_dir"] if parent else None,
         },

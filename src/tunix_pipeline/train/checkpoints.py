@@ -135,7 +135,7 @@ def start_from(model, parent_dir: str | Path, checkpoint_dir: str | Path) -> dic
     """
     from tunix_pipeline.tracking.mlflow_runs import recorded_run
 
-    parent = storage_path(parent_dir, "sft.init_from")
+    parent = storage_path(parent_dir)
     lineage = {"parent_checkpoint": str(parent), "parent_run_id": recorded_run(parent)}
     best = dev_selected_step(parent) if parent.is_dir() else None
     if best is not None:
@@ -161,7 +161,7 @@ def check_start(parent_dir: str | Path, checkpoint_dir: str | Path) -> None:
     those and never reads the parent). Also run before the pipeline starts (`preflight`)."""
     if latest_step(storage_path(checkpoint_dir)) is not None:
         return
-    parent = storage_path(parent_dir, "sft.init_from")
+    parent = storage_path(parent_dir)
     if not parent.is_dir() or latest_step(parent) is None:
         raise CheckpointError(
             f"sft.init_from: no checkpoint in {parent}; point it at a previous run's sft.checkpoint_dir "

@@ -19,10 +19,9 @@ from tunix_pipeline.run.paths import is_uri
 
 log = logging.getLogger(__name__)
 FOLDER = "06_models/final_weights"  # under the output root (planning.disk counts it there)
-# what a restore of the weights reads in a step's folder (Tunix's CheckpointManager, optimizer left out), and the
-# histories and MLflow lineage beside the steps
+# what a restore of the weights reads in a step's folder (Tunix's CheckpointManager, optimizer left out); every
+# JSON file beside the steps comes too: the stage's history, dev curve and MLflow lineage
 STEP_FILES = ("model_params", "_CHECKPOINT_METADATA", "commit_success.txt")
-SIDE_FILES = ("loss_history.json", "dev_curve.json", "grpo_history.json", "preference_history.json", "mlflow_run.json")
 
 
 def copy_final_weights(checkpoint_dir: str | Path, step: int, destination: str | Path) -> Path:
@@ -41,9 +40,8 @@ def copy_final_weights(checkpoint_dir: str | Path, step: int, destination: str |
         elif src.is_file():
             (tmp / str(step)).mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, tmp / str(step) / name)
-    for name in SIDE_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, tmp / name)
+    for side in source.glob("*.json"):
+        shutil.copy2(side, tmp / side.name)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)  # whole or not at all: a next session never reads a half copy
     return target

@@ -115,7 +115,7 @@ def train_grpo(
     from tunix.rl import rl_cluster as rl_cluster_lib
 
     rows, rewards = inputs.prompts, inputs.rewards
-    root = storage_path(params.checkpoint_dir, "grpo.checkpoint_dir")  # a gs:// URI reaches Orbax as it is
+    root = storage_path(params.checkpoint_dir)  # a gs:// URI reaches Orbax as it is
     rollout = _rollout_config(params, tokenizer)
     algo_config, learner_cls = algorithm(params)
     dev = DevEval(params.dev_eval, tokenizer, eval_formatted, "grpo", decode_weights) if params.dev_eval else None
@@ -145,8 +145,11 @@ def train_grpo(
     checkpoints.save_history(root, history, HISTORY_FILE)
     barrier("grpo_end")  # multi-host: no process goes on before process 0 has written the history, as after SFT
     trend = reward_trend(history)
+    note = None
     if trend:
         log.info("grpo: %s", trend["summary"])
+        rewards_seen = ", ".join(f"{h['reward']:.2f}" for h in history if h.get("reward") is not None)
+        note = f"GRPO's {trend['summary']} ({rewards_seen})."
     return {
         "enabled": True,
         "checkpoint_dir": str(root / "actor"),
@@ -163,6 +166,7 @@ def train_grpo(
         "first_reward": history[0].get("reward") if history else None,
         "last_reward": history[-1].get("reward") if history else None,
         "reward_trend": trend,
+        "evaluation_note": note,
         "history": history,
         "train_seconds": seconds,
         **(dev.summary(end_step) if dev else no_dev_eval(end_step)),

@@ -240,7 +240,7 @@ def train_preference(
     Before Tunix restores a checkpoint the model is the SFT policy: the reference
     (a frozen copy, or its log-probabilities) and the step-0 held-out accuracy come from it.
     """
-    ckpt_dir = storage_path(params.checkpoint_dir, "preference.checkpoint_dir")
+    ckpt_dir = storage_path(params.checkpoint_dir)
     dpo = params.method == "dpo"
     eval_reference = pair_logps(model, eval_pairs, batch_size, mesh) if dpo and len(eval_pairs) else None
     accuracy_before = heldout_accuracy(model, eval_pairs, params, batch_size, mesh, eval_reference)

@@ -57,7 +57,7 @@ def train(
     batch_size = global_batch_size(sft, mesh)
     local = process_rows(mesh, batch_size)
     seq_len = len(train_rows["input_tokens"].iloc[0])
-    ckpt_dir = storage_path(sft.checkpoint_dir, "sft.checkpoint_dir")  # a gs:// URI reaches Orbax as it is
+    ckpt_dir = storage_path(sft.checkpoint_dir)  # a gs:// URI reaches Orbax as it is
     feed = BatchFeed(train_rows, batch_size, sft.seed, local, micro_batches=sft.gradient_accumulation_steps)
     feed.with_budget(sft.time_budget_hours, model)
     sft = sft.steps_for(len(train_rows), batch_size)  # sft.epochs -> max_steps, now that the rows are known

@@ -1,7 +1,7 @@
 from kedro.pipeline import Node, Pipeline
 
 from tunix_pipeline.evaluate.policies import evaluate_after
-from tunix_pipeline.stages import GRPO
+from tunix_pipeline.stages import GRPO, SFT
 
 from .nodes import run_grpo
 
@@ -22,7 +22,7 @@ def create_pipeline(**kwargs) -> Pipeline:
             Node(
                 evaluate_after(GRPO),
                 inputs=[
-                    "eval_tokens", "eval_formatted", "base_model", "sft_result", GRPO.result, "params:model",
+                    "eval_tokens", "eval_formatted", "base_model", SFT.result, GRPO.result, "params:model",
                     "params:evaluate", "params:runtime",
                 ],
                 outputs=GRPO.eval_outputs(),

@@ -3,9 +3,10 @@ import logging
 import jax
 import mlflow
 import pandas as pd
+from pydantic import TypeAdapter
 
 from tunix_pipeline.config import (
-    FormatParams, GrpoParams, ModelParams, PlanParams, PreferenceParams, RuntimeParams, TrackingParams,
+    FormatParams, ModelParams, PlanParams, PreferenceParams, RewardParams, RuntimeParams, TrackingParams,
 )
 from tunix_pipeline.data.formatting import format_records
 from tunix_pipeline.data.ingest import ingest
@@ -32,13 +33,13 @@ def build_pairs(
     parent_result: dict,
     model: ModelParams,
     params: PreferenceParams,
-    grpo: GrpoParams,
+    grpo_rewards: list[dict],
     format_params: FormatParams,
     runtime: RuntimeParams,
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """(train pairs, held-out pairs, report): from `preference.data` (ingested and formatted as SFT's data is),
     or sampled from the parent's policy (SFT's) and scored with the rewards (`from_rewards`; eval pairs from the eval
-    prompts)."""
+    prompts): its own, else the ones GRPO optimises (`grpo_rewards`)."""
     empty = pd.DataFrame(columns=pairs.REWARD_PAIR_COLUMNS)
     if not params.enabled:
         return empty, empty, {"enabled": False}
@@ -48,10 +49,11 @@ def build_pairs(
         return (format_records(train, tokenizer, format_params), format_records(evaluation, tokenizer, format_params),
                 {"enabled": True, "pairs": "from_data", "data_quality": quality})
     spec = params.from_rewards
-    mesh, judge_mesh = meshes(runtime, spec.rewards or grpo.rewards)
-    rewards = RewardSet(spec.rewards or grpo.rewards, judge_mesh or mesh)  # a bad reward fails before the model loads
+    specs = spec.rewards or TypeAdapter(list[RewardParams]).validate_python(grpo_rewards)
+    mesh, judge_mesh = meshes(runtime, specs)
+    rewards = RewardSet(specs, judge_mesh or mesh)  # a bad reward fails before the model loads
     network, _ = load_run_model(base_model["path"], model, mesh, quantize=False)
-    step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), "preference",
+    step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), PREFERENCE.name,
                             selected_step(parent_result))
     train, train_counts = pairs.pairs_from_rewards(network, tokenizer, train_formatted, params, rewards, mesh,
                                                   spec.max_prompts, runtime.decode_weights)
@@ -95,7 +97,7 @@ def run_preference(
         return {**skip_stage(err, params.strict, passed_through(parent_result)), "method": params.method,
                 "title": params.method.upper(), "tokenize": {"train": train_stats, "eval": eval_stats}}
     network, _ = load_run_model(base_model["path"], model, mesh)
-    step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), "preference",
+    step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), PREFERENCE.name,
                             selected_step(parent_result))
     backends = metrics_backends(tracking, runtime.output_root, "preference")
     result = pref.train_preference(network, train_tokens, eval_tokens, params, mesh, batch_size, backends,

@@ -1,7 +1,7 @@
 from kedro.pipeline import Node, Pipeline
 
 from tunix_pipeline.evaluate.policies import evaluate_after
-from tunix_pipeline.stages import PREFERENCE
+from tunix_pipeline.stages import PREFERENCE, SFT
 
 from .nodes import build_pairs, run_preference
 
@@ -14,7 +14,7 @@ def create_pipeline(**kwargs) -> Pipeline:
                 build_pairs,
                 inputs=[
                     "train_formatted", "eval_formatted", "base_model", PREFERENCE.parent_result, "params:model",
-                    "params:preference", "params:grpo", "params:format", "params:runtime",
+                    "params:preference", "params:grpo.rewards", "params:format", "params:runtime",
                 ],
                 outputs=["preference_train_pairs", "preference_eval_pairs", "preference_pairs_report"],
                 name="build_preference_pairs",
@@ -32,7 +32,7 @@ def create_pipeline(**kwargs) -> Pipeline:
             Node(
                 evaluate_after(PREFERENCE),
                 inputs=[
-                    "eval_tokens", "eval_formatted", "base_model", "sft_result", PREFERENCE.result,
+                    "eval_tokens", "eval_formatted", "base_model", SFT.result, PREFERENCE.result,
                     "params:model", "params:evaluate", "params:runtime",
                 ],
                 outputs=PREFERENCE.eval_outputs(),

@@ -13,7 +13,7 @@ from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_coun
 from tunix_pipeline.planning import DoesNotFit, build_plan, peak_flops_per_device, refusal, with_xla_check
 from tunix_pipeline.planning.disk import add_disk, disk_sessions, plan_disk
 from tunix_pipeline.run.runtime import global_batch_size, make_mesh
-from tunix_pipeline.stages import StageResult
+from tunix_pipeline.stages import GRPO, PREFERENCE, SFT, StageResult
 from tunix_pipeline.tracking.mlflow_runs import mlflow_name, remember_run
 from tunix_pipeline.tracking.step_metrics import MlflowBackend, metrics_backends
 from tunix_pipeline.train.checkpoints import start_from
@@ -100,7 +100,8 @@ def check_sft_fits(
     if export is not None and preference is not None and grpo is not None:  # this session's outputs only
         result = add_disk(result, plan_disk(
             result.job.arch, result.selected.setup, result.selected.hw,
-            disk_sessions(model, sft, preference, grpo, {}, result.job.max_steps), export, tracking, runtime.output_root,
+            disk_sessions(model, {SFT.name: sft, PREFERENCE.name: preference, GRPO.name: grpo}, {},
+                          result.job.max_steps), export, tracking, runtime.output_root,
         ))
     if result.status == "over":
         raise DoesNotFit(refusal(result))

@@ -26,7 +26,7 @@ def create_pipeline(**kwargs) -> Pipeline:
                     "train_tokens", "eval_tokens", "eval_formatted", "planned_base_model", "params:model", "params:sft",
                     "params:runtime", "params:tracking", "params:plan",
                 ],
-                outputs="sft_result",
+                outputs=SFT.result,
                 name=SFT.train_node,
             ),
         ]
