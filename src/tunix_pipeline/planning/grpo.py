@@ -1,6 +1,6 @@
 """GRPO in the plan: memory per device and time of its two phases, generation and the policy update.
 
-A step of Tunix's GRPOLearner (our `grpo.py`, vanilla rollout, the actor's mesh for every role):
+A step of Tunix's GRPOLearner (our `train/grpo.py`, vanilla rollout, the actor's mesh for every role):
 
 1. **generation**: `batch_size` prompts x `num_generations` completions, prefilled and then
    decoded one token at a time for up to `max_completion_length` tokens (Tunix's `Sampler`: a KV
@@ -17,7 +17,7 @@ A step of Tunix's GRPOLearner (our `grpo.py`, vanilla rollout, the actor's mesh 
    `num_iterations > 1`, the old policy's, then `num_iterations` optimizer steps: SFT's train step
    shape at batch x G sequences of prompt + completion tokens, without loss chunks (Tunix's GRPO
    loss takes the whole logits); with `micro_batch_size`, micro x G sequences at a time, their gradients
-   accumulated (grpo.py's Tunix micro-batches: the log-probabilities and the gradient; the rollout still
+   accumulated (train/grpo.py's Tunix micro-batches: the log-probabilities and the gradient; the rollout still
    decodes the whole batch at once).
 
 The reference (`loop.frozen_copy`) shares the actor's arrays until the actor changes them: a
