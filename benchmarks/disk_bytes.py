@@ -36,15 +36,14 @@ def du(*paths: Path) -> int:
 
 def raw_bytes(folder: Path) -> int:
     """The bytes of every array Orbax stored under `folder`, uncompressed (shape x dtype, from its metadata)."""
+    import jax
+    import numpy as np
     import orbax.checkpoint as ocp
 
     if not folder.exists():
         return 0
     meta = ocp.StandardCheckpointer().metadata(folder)
     tree = getattr(meta, "item_metadata", None) or meta
-    import jax
-    import numpy as np
-
     leaves = [leaf for leaf in jax.tree.leaves(tree) if hasattr(leaf, "shape") and hasattr(leaf, "dtype")]
     return int(sum(np.prod(leaf.shape, dtype=np.int64) * np.dtype(leaf.dtype).itemsize for leaf in leaves))
 
