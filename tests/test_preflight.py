@@ -165,3 +165,18 @@ def test_kedro_run_stops_on_a_misspelt_reward_before_ingest(project):
     assert "Traceback" not in output
     assert "Running node" not in output and not (project / "data" / "02_intermediate").exists()  # ingest never ran
     assert seconds < 120, seconds  # Kedro's and JAX's start-up on a shared 2-core CPU, not a stage
+
+
+@pytest.mark.slow
+def test_a_run_that_starts_part_way_needs_what_earlier_stages_wrote(project):
+    result = subprocess.run([KEDRO, "run", "--pipelines=sft"], cwd=project, capture_output=True, text=True,
+                            env=os.environ, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in output, output[-3000:]
+    # the tokenize report is optional (the preflight reads it when it is there): not named
+    assert errors[0].startswith("Error: this run reads base_model, eval_formatted, eval_tokens, train_tokens, which no "
+                                "earlier run wrote (")
+    assert "run `kedro run --pipelines=base_model,format,tokenize` first, or the whole DAG" in errors[0]
+    assert "Running node" not in output

@@ -119,9 +119,12 @@ class PreflightHooks:
         self._params = context_params(context)
 
     @hook_impl
-    def before_pipeline_run(self, pipeline) -> None:
-        from tunix_pipeline.run.preflight import check_reached_stages
+    def before_pipeline_run(self, pipeline, catalog) -> None:
+        from kedro.framework.project import pipelines
 
+        from tunix_pipeline.run.preflight import check_inputs_written, check_reached_stages
+
+        check_inputs_written(pipeline, catalog, pipelines)
         check_reached_stages(self._params, (node.name for node in pipeline.nodes))
 
 

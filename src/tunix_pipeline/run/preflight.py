@@ -15,6 +15,7 @@ from tunix_pipeline.config import (
     EvaluateParams, GrpoParams, JudgeParams, ModelParams, PreferenceParams, RewardParams, RuntimeParams, SftParams,
 )
 from tunix_pipeline.config.validation import ConfigError, validate_section
+from tunix_pipeline.run.errors import UserError
 from tunix_pipeline.stages import GRPO, PREFERENCE, SFT, STAGES, Stage
 
 # the evaluation nodes: after SFT, and after each polish stage
@@ -141,3 +142,29 @@ def check_reached_stages(params: dict, node_names: Iterable[str]) -> None:
         if evaluate.judge is not None:
             check_judge(evaluate.judge, "evaluate.judge")
         check_harness(evaluate)
+
+
+# ---------------------------------------------------------------- the data the run starts from
+class MissingInputError(UserError, FileNotFoundError):
+    """A run that starts part-way through the DAG reads an output no earlier run wrote."""
+
+
+def check_inputs_written(pipeline, catalog, pipelines: dict) -> None:
+    """Every dataset the run reads but does not write (`kedro run --pipelines=sft` reads the tokenized rows) is
+    on disk: else one line names it and the pipeline that writes it, before any node runs. A dataset that loads
+    as empty while missing (`OptionalJSONDataset`) is never missing."""
+    from tunix_pipeline.data.optional_json import OptionalJSONDataset
+
+    missing = [name for name in sorted(pipeline.inputs()) if not name.startswith("params:") and name != "parameters"
+               and name in catalog and not isinstance(catalog.get(name), OptionalJSONDataset)
+               and not catalog.exists(name)]
+    if not missing:
+        return
+    # each one's smallest registered pipeline that writes it: the stage's own package
+    writers = sorted({min((len(p.nodes), key) for key, p in pipelines.items() if name in p.outputs())[1]
+                      for name in missing if any(name in p.outputs() for p in pipelines.values())})
+    where = getattr(catalog.get(missing[0]), "_filepath", None)
+    first = f"`kedro run --pipelines={','.join(writers)}` first, or " if writers else ""
+    raise MissingInputError(
+        f"this run reads {', '.join(missing)}, which no earlier run wrote{f' ({where}, ...)' if where else ''}: "
+        f"run {first}the whole DAG (`kedro run`), with the same --env")
