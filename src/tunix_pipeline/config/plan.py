@@ -93,7 +93,8 @@ class XlaCheckParams(Strict):
     selected profile when libtpu is installed, else on a fake CPU mesh."""
 
     enabled: bool = True
-    # deeper models are compiled at one and two layer periods (XLA:TPU: two and three) and extrapolated; null: every layer
+    # deeper models are compiled at one and two layer periods (XLA:TPU: two and four layers, or two and three
+    # periods) and extrapolated; null: every layer
     max_layers: int | None = Field(4, gt=0)
     timeout_seconds: int = Field(900, gt=0)
     grpo: bool = True  # also compile GRPO's decode step and policy update (XLA:TPU only) when GRPO is planned

@@ -38,6 +38,8 @@ BYTES = {"float32": 4, "bfloat16": 2}
 LOSS_CHUNK_COPIES = {"trained head": 0.5, "frozen head": 1.5}
 # bytes per weight of a frozen nf4 base: 4 bits and a float32 scale per block of 64
 NF4_BYTES = 0.5 + 4 / 64
+# XLA:TPU's tiles are (8, 128): a tensor's minor dimension is laid out in lanes of 128
+LANES = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +202,7 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
     # the activations' dtype where the family takes the softmax in float32). XLA:TPU lays tensors
     # out in tiles of 128 along their minor dimension: the attention's tensors carry the sequence
     # there, padded to a multiple of 128 (the 7M pod model's 97 tokens take 128)
-    padded = math.ceil(length / 128) * 128 / length
+    padded = math.ceil(length / LANES) * LANES / length
     qkvo = (2 * arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
     rope = (arch.num_heads + arch.num_kv_heads) * arch.head_dim * 4
     score = a + (4 if arch.float32_softmax and a < 4 else 0)
@@ -215,12 +217,20 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
     if s.fsdp > 1:
         gathered = arch.layer_matrix_params / tp * (c if s.mode == "full" else frozen_bytes)
     kept_until_backward = s.mode == "full" and s.loss_chunk is not None
-    per_layer_gathered, in_flight = (gathered, 0.0) if kept_until_backward else (0.0, 2 * gathered)
+    held_per_layer, in_flight = (gathered, 0.0) if kept_until_backward else (0.0, 2 * gathered)
+    # a full-weight step whose hidden shard is off the lane tile (Qwen2.5-0.5B over fsdp 8: 112 of 896) has its
+    # sharded states laid out anew: XLA:TPU copies the embedding's weight, moments and accumulator at the loss
+    # (four 68 MB copies, float32, at 3 and 24 layers), and each layer's, counted the same (~17 MB of a layer's
+    # weight copies at the peak, with ~23 MB more temporaries a layer than the estimate counts besides:
+    # benchmarks/RESULTS.md, section 19)
+    misaligned = s.backend == "tpu" and s.mode == "full" and s.fsdp > 1 and (d // (s.fsdp * tp)) % LANES
+    relaid = (1 + (2 if s.optimizer == "adamw" else 0) + (1 if s.grad_accum > 1 else 0)) if misaligned else 0
+    held_per_layer += relaid * arch.layer_matrix_params / (s.fsdp * tp) * s.p_bytes
     if s.remat == "none":
-        activations = arch.num_layers * (one_layer + per_layer_gathered) + in_flight
+        activations = arch.num_layers * (one_layer + held_per_layer) + in_flight
     else:  # each block's input only; a layer's backward recomputes its activations after the loss
         kept = (4 if s.remat == "attention" else 1) * tokens * d / tp * a
-        activations = arch.num_layers * (kept + per_layer_gathered) + in_flight
+        activations = arch.num_layers * (kept + held_per_layer) + in_flight
 
     # the loss: the output head (all-gathered with fsdp; its gradient is whole until reduce-scattered)
     # and batch x length x vocabulary logits (XLA:TPU does not split them over tp)
@@ -233,6 +243,10 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
         shards = gradient_head / (s.fsdp * tp)
     else:
         shards = 2 * head / (s.fsdp * tp) if s.fsdp > 1 else 0.0
+    if relaid:
+        # XLA:TPU cannot reduce-scatter the head's gradient in its tiles: it all-reduces the whole (a second whole
+        # gradient) and slices its shard; and it lays the embedding's states out anew, a copy of each
+        shards += gradient_head + relaid * arch.embedding_params / (s.fsdp * tp) * s.p_bytes
     logits = s.per_device_batch * (s.logit_positions or length) * arch.vocab_size * a
     if not s.loss_chunk:
         # GRPO's update: Tunix's policy loss over the logits of the kept positions (`upstream.completion_logits_only`).

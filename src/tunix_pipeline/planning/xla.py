@@ -19,9 +19,10 @@ models' matmuls in float32 there, keeping a mixture of both), so
 `planning.check_against_xla` checks a bf16 run as the same step in float32.
 
 Deep models are compiled at one and two layer periods (XLA:TPU: two and
-three) and extrapolated linearly (every further layer adds the same weights
-and, mostly, the same temporaries; the temporaries are never extrapolated
-downwards), which is much faster than compiling every layer.
+four layers, or two and three periods) and extrapolated linearly (every
+further layer adds the same weights and, mostly, the same temporaries; the
+temporaries are never extrapolated downwards), which is much faster than
+compiling every layer.
 
 Run as `python -m tunix_pipeline.planning.xla` (a JSON request on stdin, the
 result on stdout) when this process lacks the fake devices.
@@ -197,13 +198,18 @@ def xla_peak(arch: Architecture, setup: TrainSetup, max_layers: int | None = 4, 
     # XLA:TPU schedules a model's first layer unlike the others (Qwen2.5-0.5B with remat, 4 x 1000 tokens
     # a chip: the second layer adds 0.45 GiB, the third 0.16; Gemma-2B, 1 x 512: two layers took less
     # than one), so on a TPU the extrapolation starts from two layer periods
-    first = 2 * period if devices is not None and devices[0].platform == "tpu" else period
-    if max_layers is None or arch.num_layers <= max(max_layers, first + period):
+    tpu = devices is not None and devices[0].platform == "tpu"
+    first = 2 * period if tpu else period
+    # and a layer's temporaries vary from one layer to the next (Qwen2.5-0.5B with remat: the third layer adds 0.06
+    # GiB, the fourth 0.13, the 24 layers 0.08 each on average), so the increment is measured over two layers at least
+    step = 2 if tpu and period == 1 else period
+    second = first + step
+    if max_layers is None or arch.num_layers <= max(max_layers, second):
         full = compile_step(arch, setup, None, lora, devices)
         return {**full, "method": f"compiled all {arch.num_layers} layers"}
     a = compile_step(arch, setup, first, lora, devices)
-    b = compile_step(arch, setup, first + period, lora, devices)
-    periods = (arch.num_layers - first) / period
+    b = compile_step(arch, setup, second, lora, devices)
+    periods = (arch.num_layers - first) / step
     # the weights and optimizer state (arguments, outputs) grow exactly by a layer's; the temporaries
     # need not: XLA:TPU may schedule a deeper program into less (Gemma-2B, 1 x 512 without remat: 2.92
     # GB of temporaries at three layers, 3.17 at two), so the extrapolation never lets them shrink
@@ -212,10 +218,10 @@ def xla_peak(arch: Architecture, setup: TrainSetup, max_layers: int | None = 4, 
     return {
         "peak": resident[0] + periods * (resident[1] - resident[0]) + temp,
         "flops": a["flops"] + periods * (b["flops"] - a["flops"]),
-        "per_layer": (b["peak"] - a["peak"]) / period,
+        "per_layer": (b["peak"] - a["peak"]) / step,
         "seconds": a["seconds"] + b["seconds"],
         "platform": a["platform"],
-        "method": f"compiled {first} and {first + period} layers, extrapolated to {arch.num_layers}",
+        "method": f"compiled {first} and {second} layers, extrapolated to {arch.num_layers}",
     }
 
 
