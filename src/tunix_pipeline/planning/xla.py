@@ -195,8 +195,7 @@ def compile_step(arch: Architecture, setup: TrainSetup, layers: int | None = Non
 def xla_peak(arch: Architecture, setup: TrainSetup, max_layers: int | None = 4, lora=None, devices=None) -> dict:
     """XLA's peak bytes per device for the whole model (extrapolated from two depths when deep)."""
     period = max(arch.layer_period, 1)
-    # XLA:TPU schedules a model's first layer unlike the others (Qwen2.5-0.5B with remat, 4 x 1000 tokens
-    # a chip: the second layer adds 0.45 GiB, the third 0.16; Gemma-2B, 1 x 512: two layers took less
+    # XLA:TPU schedules a model's first layer unlike the others (Gemma-2B, 1 x 512: two layers took less
     # than one), so on a TPU the extrapolation starts from two layer periods
     tpu = devices is not None and devices[0].platform == "tpu"
     first = 2 * period if tpu else period

@@ -109,7 +109,8 @@ class RuntimeHooks:
 
 class PreflightHooks:
     """The settings of every stage the run will reach (rewards, judges, lm-eval tasks, the checkpoints it starts
-    from, lengths) checked before the first node: a misspelt one stops the run in seconds, not after SFT."""
+    from, lengths) and the earlier stages' outputs it reads, checked before the first node: a misspelt setting or
+    a missing input stops the run in seconds, not after SFT."""
 
     def __init__(self):
         self._params: dict = {}

@@ -1,4 +1,4 @@
-"""The settings of every stage a run will reach, checked before its first node runs.
+"""The settings of every stage a run will reach, and the data it starts from, checked before its first node runs.
 
 A misspelt reward, a judge folder that is not there or an unknown lm-eval task would otherwise stop the run
 only when its stage starts: after ingest, SFT and an evaluation, hours into a TPU session. Each check here is
