@@ -218,13 +218,7 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
         gathered = arch.layer_matrix_params / tp * (c if s.mode == "full" else frozen_bytes)
     kept_until_backward = s.mode == "full" and s.loss_chunk is not None
     held_per_layer, in_flight = (gathered, 0.0) if kept_until_backward else (0.0, 2 * gathered)
-    # a full-weight step whose hidden shard is off the lane tile (Qwen2.5-0.5B over fsdp 8: 112 of 896) has its
-    # sharded states laid out anew: XLA:TPU copies the embedding's weight, moments and accumulator at the loss
-    # (four 68 MB copies, float32, at 3 and 24 layers), and each layer's, counted the same (~17 MB of a layer's
-    # weight copies at the peak, with ~23 MB more temporaries a layer than the estimate counts besides:
-    # benchmarks/RESULTS.md, section 19)
-    misaligned = s.backend == "tpu" and s.mode == "full" and s.fsdp > 1 and (d // (s.fsdp * tp)) % LANES
-    relaid = (1 + (2 if s.optimizer == "adamw" else 0) + (1 if s.grad_accum > 1 else 0)) if misaligned else 0
+    relaid = _relaid_states(arch, s)
     held_per_layer += relaid * arch.layer_matrix_params / (s.fsdp * tp) * s.p_bytes
     if s.remat == "none":
         activations = arch.num_layers * (one_layer + held_per_layer) + in_flight
@@ -243,9 +237,7 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
         shards = gradient_head / (s.fsdp * tp)
     else:
         shards = 2 * head / (s.fsdp * tp) if s.fsdp > 1 else 0.0
-    if relaid:
-        # XLA:TPU cannot reduce-scatter the head's gradient in its tiles: it all-reduces the whole (a second whole
-        # gradient) and slices its shard; and it lays the embedding's states out anew, a copy of each
+    if relaid:  # off the lane tile: the head's whole gradient all-reduced (a second one), the embedding's states copied
         shards += gradient_head + relaid * arch.embedding_params / (s.fsdp * tp) * s.p_bytes
     logits = s.per_device_batch * (s.logit_positions or length) * arch.vocab_size * a
     if not s.loss_chunk:
@@ -261,6 +253,18 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
         copies = LOSS_CHUNK_COPIES["trained head" if s.mode == "full" else "frozen head"]
         loss = head + gradient_head + copies * chunk + shards
     return activations, loss, one_layer
+
+
+def _relaid_states(arch: Architecture, s: TrainSetup) -> int:
+    """How many copies of each sharded state (weight, AdamW's moments, the accumulator) XLA:TPU lays out anew in a
+    full-weight step: none while the hidden shard fills whole lanes. Off the lane tile (Qwen2.5-0.5B over fsdp 8:
+    112 of 896) it copies the embedding's at the loss (four 68 MB float32 copies, at 3 and 24 layers) and each
+    layer's, counted the same (~17 MB of a layer's copies at the peak, and ~23 MB more temporaries a layer than
+    the estimate names); and, unable to reduce-scatter the head's gradient in its tiles, it all-reduces the whole
+    and slices its shard: a second whole gradient (benchmarks/RESULTS.md, section 19)."""
+    if s.backend != "tpu" or s.mode != "full" or s.fsdp == 1 or (arch.hidden_size // (s.fsdp * s.tp)) % LANES == 0:
+        return 0
+    return 1 + (2 if s.optimizer == "adamw" else 0) + (1 if s.grad_accum > 1 else 0)
 
 
 def _kept_on_cpu(arch: Architecture, s: TrainSetup, frozen_bytes: float) -> tuple[float, float, float]:
