@@ -161,10 +161,12 @@ def check_inputs_written(pipeline, catalog, pipelines: dict) -> None:
     if not missing:
         return
     # each one's smallest registered pipeline that writes it: the stage's own package
-    writers = sorted({min((len(p.nodes), key) for key, p in pipelines.items() if name in p.outputs())[1]
-                      for name in missing if any(name in p.outputs() for p in pipelines.values())})
-    where = getattr(catalog.get(missing[0]), "_filepath", None)
+    outputs = {key: p.outputs() for key, p in pipelines.items()}
+    writers = sorted({min((len(pipelines[key].nodes), key) for key, written in outputs.items() if name in written)[1]
+                      for name in missing if any(name in written for written in outputs.values())})
+    where = getattr(catalog.get(missing[0]), "_filepath", None)  # file datasets keep their path only there
+    more = ", ..." if len(missing) > 1 else ""
     first = f"`kedro run --pipelines={','.join(writers)}` first, or " if writers else ""
     raise MissingInputError(
-        f"this run reads {', '.join(missing)}, which no earlier run wrote{f' ({where}, ...)' if where else ''}: "
+        f"this run reads {', '.join(missing)}, which no earlier run wrote{f' ({where}{more})' if where else ''}: "
         f"run {first}the whole DAG (`kedro run`), with the same --env")
