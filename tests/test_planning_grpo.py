@@ -115,10 +115,11 @@ def test_grpo_compiles_for_a_kaggle_v5e_8():
         x = compiled[phase]
         assert "error" not in x, x
         assert x["method"] == "compiled all 3 layers" and x["flops_per_device"] > 0
-        # the estimate of these programs is not yet within a fixed bound of XLA:TPU's (Gemma-2-2B at 3 layers:
-        # decode -21%, update ~+60%; see the README): printed, not held; the plan uses the compiled figure
         print(f"GRPO {phase}: XLA:TPU {x['xla_gib']:.2f} GiB per chip, estimate {x['difference']:+.1%}, {x['seconds']:.0f} s")
         assert 0 < x["xla_gib"] < 16
+    # the update's estimate is held within 10% (+5.2% here; -1.1% to +1.8% at 6, 13 and 26 layers, RESULTS.md
+    # section 20); the decode step's is not yet (-20% at 3 layers, extrapolated -7.5% for Gemma-3-1B): printed only
+    assert abs(compiled["update"]["difference"]) < 0.10
     # the plan rests on the compiled figures
     g = add_grpo(plan, grpo, plan_params, 9, compiled).polish["grpo"]["selected"]
     assert g["generation_from"] == g["update_from"] == g["update_flops_from"] == "XLA:TPU" and g["fits"]

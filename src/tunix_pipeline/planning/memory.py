@@ -218,17 +218,25 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
         gathered = arch.layer_matrix_params / tp * (c if s.mode == "full" else frozen_bytes)
     kept_until_backward = s.mode == "full" and s.loss_chunk is not None
     held_per_layer, in_flight = (gathered, 0.0) if kept_until_backward else (0.0, 2 * gathered)
-    relaid = _relaid_states(arch, s)
-    held_per_layer += relaid * arch.layer_matrix_params / (s.fsdp * tp) * s.p_bytes
+    relaid_per_layer, relaid_at_loss = _relaid_bytes(arch, s, frozen_bytes)
+    held_per_layer += relaid_per_layer
+    if s.backend == "tpu" and s.mode != "full" and not s.loss_chunk:  # a LoRA GRPO update: one more [tokens,
+        held_per_layer += tokens * f / tp * a  # intermediate] a layer (fitted: the Kaggle recipes', RESULTS.md §20)
     if s.remat == "none":
         activations = arch.num_layers * (one_layer + held_per_layer) + in_flight
     else:  # each block's input only; a layer's backward recomputes its activations after the loss
         kept = (4 if s.remat == "attention" else 1) * tokens * d / tp * a
         activations = arch.num_layers * (kept + held_per_layer) + in_flight
+    return activations, _loss_bytes(arch, s, relaid_at_loss), one_layer
 
-    # the loss: the output head (all-gathered with fsdp; its gradient is whole until reduce-scattered)
-    # and batch x length x vocabulary logits (XLA:TPU does not split them over tp)
-    head = arch.vocab_size * d * c
+
+def _loss_bytes(arch: Architecture, s: TrainSetup, relaid: float) -> float:
+    """The loss's buffers per device on an accelerator: the output head, its gradient and shards (`relaid`: the
+    copies XLA:TPU lays out off the lane tile, `_relaid_bytes`), and the logits."""
+    c, tp, length = s.c_bytes, s.tp, s.seq_len
+    # the output head (all-gathered with fsdp; its gradient is whole until reduce-scattered) and batch x length x
+    # vocabulary logits in the compute dtype (XLA:TPU does not split them over tp)
+    head = arch.vocab_size * arch.hidden_size * c
     # the head's weight gradient: none for a frozen head (LoRA), the sharded gradient itself with fsdp 1
     gradient_head = head if s.fsdp > 1 and s.mode == "full" else 0.0
     # the head's shards: a trained head's reduce-scattered gradient, kept until the update; a frozen one's two
@@ -237,9 +245,8 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
         shards = gradient_head / (s.fsdp * tp)
     else:
         shards = 2 * head / (s.fsdp * tp) if s.fsdp > 1 else 0.0
-    if relaid:  # off the lane tile: the head's whole gradient all-reduced (a second one), the embedding's states copied
-        shards += gradient_head + relaid * arch.embedding_params / (s.fsdp * tp) * s.p_bytes
-    logits = s.per_device_batch * (s.logit_positions or length) * arch.vocab_size * a
+    shards += relaid
+    logits = s.per_device_batch * (s.logit_positions or length) * arch.vocab_size * c
     if not s.loss_chunk:
         # GRPO's update: Tunix's policy loss over the logits of the kept positions (`upstream.completion_logits_only`).
         # XLA:TPU's buffer assignment (Gemma-2B, 18 layers, 1 x 768 tokens a chip, 514 kept) holds the gathered
@@ -252,19 +259,29 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
         chunk = s.per_device_batch * min(s.loss_chunk, length) * arch.vocab_size * 4
         copies = LOSS_CHUNK_COPIES["trained head" if s.mode == "full" else "frozen head"]
         loss = head + gradient_head + copies * chunk + shards
-    return activations, loss, one_layer
+    return loss
 
 
-def _relaid_states(arch: Architecture, s: TrainSetup) -> int:
-    """How many copies of each sharded state (weight, AdamW's moments, the accumulator) XLA:TPU lays out anew in a
-    full-weight step: none while the hidden shard fills whole lanes. Off the lane tile (Qwen2.5-0.5B over fsdp 8:
-    112 of 896) it copies the embedding's at the loss (four 68 MB float32 copies, at 3 and 24 layers) and each
-    layer's, counted the same (~17 MB of a layer's copies at the peak, and ~23 MB more temporaries a layer than
-    the estimate names); and, unable to reduce-scatter the head's gradient in its tiles, it all-reduces the whole
-    and slices its shard: a second whole gradient (benchmarks/RESULTS.md, section 19)."""
-    if s.backend != "tpu" or s.mode != "full" or s.fsdp == 1 or (arch.hidden_size // (s.fsdp * s.tp)) % LANES == 0:
-        return 0
-    return 1 + (2 if s.optimizer == "adamw" else 0) + (1 if s.grad_accum > 1 else 0)
+def _relaid_bytes(arch: Architecture, s: TrainSetup, frozen_bytes: float) -> tuple[float, float]:
+    """(per layer, at the loss) bytes per device of the sharded states XLA:TPU lays out anew: none while the hidden
+    shard fills whole lanes. Off the lane tile (Qwen2.5-0.5B over fsdp 8: 112 of 896; Gemma-3-1B: 144; Gemma-2-2B:
+    288; benchmarks/RESULTS.md, sections 19 and 20):
+    - a full-weight step copies every state (weight, AdamW's moments, the accumulator) of the embedding at the loss
+      (four 68 MB float32 copies for Qwen, at 3 and 24 layers) and of each layer, counted the same (~17 MB of a
+      layer's copies at the peak, and ~23 MB more temporaries a layer than the estimate names); and, unable to
+      reduce-scatter the head's gradient in its tiles, it all-reduces the whole and slices its shard: a second
+      whole gradient;
+    - a LoRA step copies each layer's frozen shard once (a `copy` of every `bf16[288,9216]` or `bf16[144,6912]`
+      shard, all 26 layers' live at the peak, in both Kaggle recipes' SFT steps and GRPO updates)."""
+    shards = s.fsdp * s.tp
+    if s.backend != "tpu" or s.fsdp == 1 or (arch.hidden_size // shards) % LANES == 0:
+        return 0.0, 0.0
+    if s.mode != "full":
+        return arch.layer_matrix_params / shards * frozen_bytes, 0.0
+    copies = 1 + (2 if s.optimizer == "adamw" else 0) + (1 if s.grad_accum > 1 else 0)
+    second_gradient = arch.vocab_size * arch.hidden_size * s.c_bytes
+    return (copies * arch.layer_matrix_params / shards * s.p_bytes,
+            second_gradient + copies * arch.embedding_params / shards * s.p_bytes)
 
 
 def _kept_on_cpu(arch: Architecture, s: TrainSetup, frozen_bytes: float) -> tuple[float, float, float]:
