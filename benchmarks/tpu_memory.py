@@ -4,11 +4,12 @@
     python benchmarks/tpu_memory.py --layers 2      # the same grid two layers deep
     python benchmarks/tpu_memory.py --recipes       # the TPU recipes' own steps (tpu_full, qwen05b_v5e8, v4_64_pod,
                                                     # the Kaggle LoRA recipes; --only NAME for one)
+    python benchmarks/tpu_memory.py --recipes --whole --only kaggle_gemma2_2b_v5e8   # every layer compiled
 
 Each line: the setup, XLA:TPU's peak bytes per chip, the estimate for the same step, their
 difference, and the compile time. The grid compiles Gemma-2B `--layers` deep (default 1) and
-estimates that very model; the recipes are compiled at 2 and 3 layers and extrapolated to their
-depth, as the plan does (`xla.xla_peak`). `tests/test_tpu_compile.py` and `tests/test_recipes.py`
+estimates that very model; the recipes are compiled at two depths and extrapolated to theirs, as
+the plan does (`xla.xla_peak`), or with `--whole` at every layer (minutes each). `tests/test_tpu_compile.py` and `tests/test_recipes.py`
 hold the estimate to 10% of these. A grid compile takes ~15-40 s of a quiet CPU (one layer).
 """
 
@@ -69,6 +70,7 @@ def main() -> None:
     parser.add_argument("--recipes", action="store_true")
     parser.add_argument("--layers", type=int, default=1, help="the grid's depth (compiled whole, no extrapolation)")
     parser.add_argument("--only", help="one recipe's step (with --recipes)")
+    parser.add_argument("--whole", action="store_true", help="compile every layer instead of extrapolating")
     args = parser.parse_args()
     steps = list(cases(args.recipes, args.layers))
     if args.only and args.only not in {name for name, *_ in steps}:
@@ -77,7 +79,7 @@ def main() -> None:
         if args.only and name != args.only:
             continue
         started = time.perf_counter()
-        got = xla.xla_peak(arch, setup, 4, lora, xla.tpu_devices(topology, hosts))
+        got = xla.xla_peak(arch, setup, None if args.whole else 4, lora, xla.tpu_devices(topology, hosts))
         est = estimate_memory(arch, setup.replace(backend="tpu")).peak
         print(json.dumps({
             "model": name, "topology": topology, "per_device_batch": setup.per_device_batch, "seq_len": setup.seq_len,
