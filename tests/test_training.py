@@ -515,9 +515,7 @@ def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tiny_model_dir, rows_
     spec = {**_spec(tiny_model_dir, rows_file, tmp_path / "out", tmp_path / "ckpt", max_steps=1000,
                     checkpoint_every=500), "seconds_per_step": 0.3}
     worker = _run_worker(spec, stdout=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not list((tmp_path / "ckpt").glob("*")) and time.time() < deadline:  # training has started
-        time.sleep(0.1)
+    _wait_for(tmp_path / "out.training", worker)
     time.sleep(3)
     worker.send_signal(signal.SIGTERM)
     out, _ = worker.communicate(timeout=120)

@@ -36,6 +36,7 @@ if spec.get("seconds_per_step"):  # slow steps, so that a test can interrupt the
     fetch = loop.BatchFeed.load_next_train_batch
 
     def slow_fetch(self, trainer):
+        open(spec["out"] + ".training", "w").close()  # training has started: a test may interrupt it now
         time.sleep(spec["seconds_per_step"])
         return fetch(self, trainer)
 
