@@ -44,7 +44,7 @@ def copy_project(dest: Path) -> Path:
     return dest
 
 
-# The files that take longest, longest first (measured: benchmarks/RESULTS.md, the test suite's section): the
+# The files that take longest, longest first (measured: benchmarks/RESULTS.md, section 21): the
 # two workers take a file at a time in this order (`--no-loadscope-reorder`), so that a long file does not
 # start last and leave one worker alone at the end. The rest follow in their usual order.
 LONGEST_FIRST = [
