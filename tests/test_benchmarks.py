@@ -111,6 +111,7 @@ def test_harness_benchmark_times_ours_and_lm_evals_hf_backend_on_the_same_task()
     assert result["loglikelihood"]["max_abs_difference"] < 1e-4  # the same weights: see tests/test_harness.py
 
 
+@pytest.mark.slow  # ~100 s: both generators in processes of their own
 def test_generation_benchmark_times_ours_and_transformers_on_the_same_ids(tiny_model_dir):
     """The generation benchmark's keys on a tiny model: ours and transformers decode the same greedy tokens from
     the same prompt ids, ours compiles nothing while timed, and a group of one prompt is prefilled once."""
