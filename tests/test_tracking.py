@@ -48,7 +48,7 @@ def test_a_long_parameter_or_tag_becomes_an_artifact(store, tmp_path):
     long_tag = "y" * (mlflow_runs.MAX_TAG_LENGTH + 1)
     run = mlflow_runs.start_run(store, TrackingParams(experiment="t", log_outputs=[]), {"prompt": {"template": long_value}, "a": 1},
                              tags={"kedro_command": long_tag, "kedro.env": "local"}, run_name="p@local")
-    mlflow_runs.end_run(failed=False)
+    mlflow_runs.end_run("FINISHED")
     client = mlflow.MlflowClient(store)
     data = client.get_run(run.info.run_id).data
     assert data.params["a"] == "1"
@@ -86,7 +86,7 @@ def test_the_restart_rule(store):
     unfinished = run("FAILED")
     mlflow_runs.start_run(store, params, PARAMS, tags={"kedro.env": "local", "kedro_command": "kedro run --to-nodes=x"},
                        run_id=unfinished)
-    mlflow_runs.end_run(failed=False)
+    mlflow_runs.end_run("FINISHED")
     tags = client.get_run(unfinished).data.tags
     assert (tags["kedro_command"], tags["kedro_restart_command"], tags["resumed"]) == (
         "kedro run", "kedro run --to-nodes=x", "true")

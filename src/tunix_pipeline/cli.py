@@ -4,18 +4,27 @@ A user error (`tunix_pipeline.run.errors.UserError`: bad data, a model that cann
 that cannot be built, a run that cannot fit; or parameters that fail validation) prints its
 message and exits 1; its text already says what, where and how to fix it, so a screen of
 traceback would only hide it. A full disk or quota, in any stage and whichever library wrote, is a user error
-too (`disk_full.DiskFullError`: the folder, the bytes needed and free, the setting to change). Any other exception
-is a bug and keeps its traceback.
+too (`disk_full.DiskFullError`: the folder, the bytes needed and free, the setting to change). A run a signal
+stopped after saving (`TrainingInterrupted`: SIGTERM, Ctrl-C) prints one line naming the signal, the step, the
+folder and the command that resumes, and exits 128 + the signal's number. Any other exception is a bug and keeps
+its traceback; `kedro run --verbose` (or TUNIX_PIPELINE_TRACEBACK=1) shows one for every error.
 """
+
+import os
+import sys
 
 import click
 from kedro.framework.cli.project import run as kedro_run
 from kedro.validation.exceptions import ParameterValidationError
 
 from tunix_pipeline.run.disk_full import disk_full_cause, disk_full_error
-from tunix_pipeline.run.errors import UserError
+from tunix_pipeline.run.errors import TrainingInterrupted, UserError
 
 USER_ERRORS = (UserError, ParameterValidationError)
+
+
+def _tracebacks() -> bool:
+    return os.environ.get("TUNIX_PIPELINE_TRACEBACK", "") not in ("", "0")
 
 
 @click.group(name="tunix_pipeline")
@@ -23,11 +32,18 @@ def cli():
     """Commands of this project (they override Kedro's own of the same name)."""
 
 
-def _run(**kwargs):
+def _run(verbose: bool = False, **kwargs):
+    if verbose or _tracebacks():
+        return kedro_run.callback(**kwargs)
     try:
         return kedro_run.callback(**kwargs)
     except USER_ERRORS as err:
         raise click.ClickException(str(err)) from None
+    except TrainingInterrupted as err:
+        from tunix_pipeline.tracking.mlflow_runs import kedro_command  # mlflow is loaded by now; not at every command
+
+        click.echo(err.message(kedro_command({})), err=True)
+        sys.exit(err.exit_status)
     except Exception as err:
         if disk_full_cause(err) is None:
             raise
@@ -42,6 +58,8 @@ def _run_params() -> dict:
     return next((hook._params for hook in settings.HOOKS if getattr(hook, "_params", None)), {})
 
 
-# Kedro's `run`, same options and help, with the error handling above
-run = click.Command("run", params=kedro_run.params, callback=_run, help=kedro_run.help, short_help=kedro_run.short_help)
+# Kedro's `run`, same options and help, with the error handling above (`--verbose`: tracebacks kept)
+VERBOSE = click.Option(["--verbose", "-v"], is_flag=True, help="Keep the traceback of every error, and of a stop.")
+run = click.Command("run", params=[*kedro_run.params, VERBOSE], callback=_run, help=kedro_run.help,
+                    short_help=kedro_run.short_help)
 cli.add_command(run)

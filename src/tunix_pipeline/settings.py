@@ -8,6 +8,7 @@ from tunix_pipeline.run.config_loader import ProjectConfigLoader  # noqa: E402
 from tunix_pipeline.run.hooks import (  # noqa: E402
     CredentialHooks,
     OutputHooks,
+    OutputRootHooks,
     PreflightHooks,
     RuntimeHooks,
     SessionHooks,
@@ -16,7 +17,7 @@ from tunix_pipeline.run.hooks import (  # noqa: E402
 
 _tracking = TrackingHooks()
 # one per concern; the order between them is set by tryfirst / trylast in run/hooks.py, not by this tuple
-HOOKS = (CredentialHooks(), OutputHooks(), RuntimeHooks(), PreflightHooks(), _tracking, SessionHooks(_tracking))
+HOOKS = (OutputRootHooks(), CredentialHooks(), OutputHooks(), RuntimeHooks(), PreflightHooks(), _tracking, SessionHooks(_tracking))
 
 # OmegaConfigLoader: an unknown --env named, conf/local over any environment, the session's parameters
 CONFIG_LOADER_CLASS = ProjectConfigLoader

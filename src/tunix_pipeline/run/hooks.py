@@ -19,7 +19,8 @@ from pydantic import BaseModel
 
 from tunix_pipeline.config import RuntimeParams, SourceParams, TrackingParams
 from tunix_pipeline.config.validation import check_parameters, validate_section
-from tunix_pipeline.run.processes import is_main_process
+from tunix_pipeline.run.errors import TrainingInterrupted
+from tunix_pipeline.run.processes import is_main_process, on_main_process
 from tunix_pipeline.run.runtime import (
     check_shared_folders, configure_host_devices, initialize_distributed, orbax_folders,
 )
@@ -80,6 +81,43 @@ class OutputHooks:
 
         for name in node.outputs:
             atomic_saves(catalog.get(name))  # None: a memory output the runner adds later
+
+
+class OutputRootHooks:
+    """One writer per output root (`output_lock`): taken before the first node and before MLflow's store opens (the
+    second run stops before it writes anything), let go after the MLflow run ends; on process 0 of a multi-host run.
+    First in `settings.HOOKS`: the last of the `tryfirst` hooks to be called, and of the `trylast` ones."""
+
+    def __init__(self):
+        self._root: Path | None = None
+        self._lock = None
+
+    @hook_impl
+    def after_context_created(self, context) -> None:
+        root = validate_section(context_params(context), "runtime", RuntimeParams).output_root
+        self._root = None if "://" in root else context.project_path / root  # a bucket has no lock files
+
+    @hook_impl(tryfirst=True)
+    def before_pipeline_run(self, run_params: dict) -> None:
+        from tunix_pipeline.run.output_lock import acquire
+        from tunix_pipeline.tracking.mlflow_runs import kedro_command
+
+        self._release()  # an earlier run of this process that Kedro did not end (a notebook cell interrupted)
+        if self._root is not None:
+            self._lock = on_main_process("output root lock", lambda: acquire(self._root, kedro_command(run_params)))
+
+    @hook_impl(trylast=True)
+    def after_pipeline_run(self) -> None:
+        self._release()
+
+    @hook_impl(trylast=True)
+    def on_pipeline_error(self) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
 
 class RuntimeHooks:
@@ -257,18 +295,23 @@ class TrackingHooks:
 
     @hook_impl(trylast=True)  # after the session ledger recorded this run's id
     def after_pipeline_run(self) -> None:
-        self._finish(failed=False)
+        self._finish("FINISHED")
 
     @hook_impl(trylast=True)
-    def on_pipeline_error(self) -> None:
-        self._finish(failed=True)
+    def on_pipeline_error(self, error) -> None:
+        from tunix_pipeline.tracking import mlflow_runs
 
-    def _finish(self, failed: bool) -> None:
+        if isinstance(error, TrainingInterrupted):  # a stop that saved, not a failure: MLflow's KILLED, and where
+            self._finish("KILLED", mlflow_runs.stop_tags(error.signal_name, error.step, error.checkpoint_dir))
+        else:
+            self._finish("FAILED")
+
+    def _finish(self, status: str, tags: dict | None = None) -> None:
         from tunix_pipeline.tracking import mlflow_runs
 
         self._stop_monitor()
         if self._run is not None:
-            mlflow_runs.end_run(failed)
+            mlflow_runs.end_run(status, tags)
             self._run = None
             if self._user_uri is None:
                 os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -329,10 +372,10 @@ class SessionHooks:
         self._end(catalog, failed=False)
 
     @hook_impl(tryfirst=True)
-    def on_pipeline_error(self, catalog) -> None:
-        self._end(catalog, failed=True)
+    def on_pipeline_error(self, catalog, error) -> None:
+        self._end(catalog, failed=True, stopped=isinstance(error, TrainingInterrupted))
 
-    def _end(self, catalog, failed: bool) -> None:
+    def _end(self, catalog, failed: bool, stopped: bool = False) -> None:
         """Records the run in the ledger; the session is finished once its SFT (preference, GRPO) reached their steps."""
         current = self._sessions.current if self._sessions else None
         if current is None or not self._started or not is_main_process():
@@ -343,7 +386,7 @@ class SessionHooks:
             and sft["latest_step"] is not None and not any(r.get("stopped_early") for r in polish.values())
         ledger = self._ledger()
         run_id = self._tracking.run_id
-        outcome = "failed" if failed else "finished" if finished else "stopped"
+        outcome = "stopped" if stopped or not (failed or finished) else "failed" if failed else "finished"
         ledger.record_run(current.name, self._started, time.time() - self._started, run_id, outcome)
         if finished:
             entry = {"run_id": run_id, "checkpoint_dir": sft["checkpoint_dir"], "step": sft["latest_step"]}

@@ -17,11 +17,19 @@ store) are dropped (`DISK_FULL_LOGGERS`). `RuntimeError: Event loop is closed`, 
 reads or writes leave behind on an event loop already closed (a restore that failed on a corrupt checkpoint, which
 the run sets aside with one warning; `upstream.loops_finish_their_tasks` prevents the ones we know of), is dropped
 wherever Python reports it: asyncio's logger and `sys.unraisablehook`.
+
+libtpu installed where no TPU is attached (the `tpu` extra, for the plan's XLA:TPU check) makes JAX probe a TPU at
+its start, and libtpu print `E0000 ... unexpected worker hostname` (or `Failed to find host bounds`) before JAX falls
+back to the CPU; `no_tpu_probe` leaves JAX the CPU alone there. The check still compiles for TPU topologies (libtpu's
+compile-only devices do not need the TPU platform).
 """
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import logging
+import os
 import re
 import sys
 import warnings
@@ -159,8 +167,29 @@ def _emitted_from(record: logging.LogRecord, path: str) -> bool:
     return False
 
 
+GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips (as `jax._src.hardware_utils` finds them)
+GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
+
+
+def no_tpu_probe() -> None:
+    """JAX_PLATFORMS=cpu where libtpu is installed but neither a TPU chip nor a JAX GPU plugin is here (a user's own
+    JAX_PLATFORMS stands)."""
+    if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
+        return
+    if any(importlib.util.find_spec(name) is not None for name in GPU_PLUGINS):
+        return
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            if open(vendor).read().strip() == GOOGLE_PCI_VENDOR:
+                return
+        except OSError:
+            continue
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 def install() -> None:
     """Adds the filters above (once per process; calling again changes nothing)."""
+    no_tpu_probe()
     for known in WARNINGS:
         warnings.filterwarnings(
             "ignore", message=re.escape(known.message) + r"\Z", category=known.category,

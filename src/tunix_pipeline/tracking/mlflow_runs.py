@@ -187,6 +187,9 @@ def start_run(uri: str, params: TrackingParams, all_params: Mapping, tags: Mappi
         tags.pop(COMMAND_TAG, None)  # the run keeps the command that started it
         run_name = None
     run = mlflow.start_run(run_id=run_id, run_name=run_name)
+    if run_id is not None:  # where a stop left it (`stop_tags`) is over once it goes on
+        for key in [k for k in run.data.tags if k.startswith("stopped.")]:
+            mlflow.delete_tag(key)
     set_tags(tags)
     log_params(flat)
     mlflow.log_text(config, "config/parameters.yml")
@@ -346,9 +349,17 @@ def register_model(exported: Mapping, registry: RegistryParams, base_model: Mapp
     return {"name": registry.name, "version": version, "uri": f"models:/{registry.name}/{version}"}
 
 
-def end_run(failed: bool) -> None:
+def stop_tags(signal_name: str, step: int, checkpoint_dir: str) -> dict:
+    """The tags of a run a signal stopped after saving (ended as KILLED)."""
+    return {"stopped.signal": signal_name, "stopped.step": str(step), "stopped.checkpoint_dir": checkpoint_dir}
+
+
+def end_run(status: str, tags: dict | None = None) -> None:
+    """Ends the active run as `status` (FINISHED, FAILED, KILLED), with `tags` set first."""
     if mlflow.active_run() is not None:
-        mlflow.end_run(status="FAILED" if failed else "FINISHED")
+        if tags:
+            mlflow.set_tags(tags)
+        mlflow.end_run(status=status)
 
 
 def numeric(value) -> float | None:

@@ -31,12 +31,12 @@ from tunix_pipeline.config import GrpoParams
 from tunix_pipeline.evaluate.dev_eval import DevEval, no_dev_eval
 from tunix_pipeline.evaluate.generation import fitting_prompts, gathers_weights
 from tunix_pipeline.run import progress
-from tunix_pipeline.run.errors import UserError
+from tunix_pipeline.run.errors import TrainingInterrupted, UserError
 from tunix_pipeline.run.paths import storage_path
 from tunix_pipeline.run.processes import barrier
 from tunix_pipeline.stages import StageResult
 from tunix_pipeline.train import checkpoints
-from tunix_pipeline.train.loop import frozen_copy
+from tunix_pipeline.train.loop import frozen_copy, stop_on_signals
 from tunix_pipeline.train.optim import make_optimizer
 from tunix_pipeline.train.rewards import REWARD_COLUMNS, RewardSet
 from tunix_pipeline.train.skips import NothingToLearn
@@ -61,7 +61,8 @@ def prompt_pool(rows: pd.DataFrame, max_prompts: int | None, seed: int) -> pd.Da
 class PromptFeed:
     """Seeded epochs of full prompt batches; batch `i` is the same in every run (resume replays the order).
 
-    Each batch also moves the rollout's sampling seed on, so steps draw fresh samples.
+    Each batch also moves the rollout's sampling seed on, so steps draw fresh samples. A stop signal
+    (`loop.stop_on_signals`) ends it: Tunix's learner then saves the step it reached and closes.
     """
 
     def __init__(self, rows: pd.DataFrame, batch_size: int, seed: int, rollout_config=None):
@@ -72,6 +73,14 @@ class PromptFeed:
             if column in rows:
                 self.columns[key] = rows[column].astype(str).to_numpy()
         self.batch_size, self.seed, self.rollout_config = batch_size, seed, rollout_config
+        self.stop_reason: str | None = None
+
+    def stop(self, reason: str) -> None:
+        self.stop_reason = reason
+
+    @property
+    def interrupted(self) -> bool:
+        return self.stop_reason is not None
 
     def __iter__(self):
         n = len(self.columns["prompts"])
@@ -80,6 +89,8 @@ class PromptFeed:
         while True:
             order = rng.permutation(n)
             for start in range(0, n - self.batch_size + 1, self.batch_size):
+                if self.stop_reason:
+                    return
                 idx = order[start : start + self.batch_size]
                 if self.rollout_config is not None:
                     upstream.move_rollout_seed(self.rollout_config, self.seed * 1_000_003 + step)
@@ -133,17 +144,20 @@ def train_grpo(
         if dev:  # its curve beside the reward history; the checkpoints it keeps are the actor's
             dev.start(cluster.actor_trainer, mesh, root, params.batch_size)
         started = time.perf_counter()
+        feed = PromptFeed(rows, params.batch_size, params.seed, rollout)
         _learn(cluster, lambda: learner_cls(rl_cluster=cluster, algo_config=algo_config,
                                             reward_fns=rewards.tunix_reward_fns(), metric_fns=[rewards.metric_fn]),
-               PromptFeed(rows, params.batch_size, params.seed, rollout), start_step, params.max_steps, root)
+               feed, start_step, params.max_steps, root)
         seconds = time.perf_counter() - started
         end_step = cluster.actor_trainer.train_steps
-        if dev:
+        if dev and not feed.interrupted:
             dev.catch_up(end_step, mesh)
 
     history += _new_history(cluster.actor_trainer.metrics_logger, rewards, start_step, end_step, params)
     checkpoints.save_history(root, history, HISTORY_FILE)
     barrier("grpo_end")  # multi-host: no process goes on before process 0 has written the history, as after SFT
+    if feed.interrupted:
+        raise TrainingInterrupted(feed.stop_reason, end_step, str(root / "actor"))
     trend = reward_trend(history)
     note = None
     if trend:
@@ -182,7 +196,13 @@ def _learn(cluster, learner, feed: PromptFeed, start_step: int, max_steps: int, 
     if start_step:
         log.info("resuming GRPO from checkpoint step %d in %s", start_step, root / "actor")
     cluster.actor_trainer.with_training_hooks(progress.training_hooks("grpo"))
-    learner().train(feed)
+    with stop_on_signals(feed):
+        try:
+            learner().train(feed)
+        except StopIteration:  # stopped before its first batch, which Tunix's learner takes unguarded
+            if not feed.interrupted:
+                raise
+            cluster.close()
 
 
 def training_prompts(train_formatted: pd.DataFrame, tokenizer, params: GrpoParams, mesh) -> tuple[pd.DataFrame, int]:

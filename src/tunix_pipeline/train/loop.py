@@ -1,7 +1,7 @@
 """The run loop every training stage shares, around Tunix's trainers and through their own seams:
 - batches that are a pure function of the step (`BatchFeed`, a Tunix data hook): a resumed run sees exactly
   the batches an uninterrupted run would (Tunix itself replays the iterator and skips), each process reads only
-  its share, and SIGTERM or the session budget (`StepClock`) end the run with a checkpoint;
+  its share, and SIGTERM, Ctrl-C (SIGINT) or the session budget (`StepClock`) end the run with a checkpoint;
 - the trainer restored from the latest good checkpoint (a corrupt latest one is set aside for the previous one,
   in `checkpoints`), run to its last step (`fit`) and summed up (`end_run`): steps, useful tokens/s, time.
 """
@@ -21,16 +21,13 @@ from flax import nnx
 from tunix_pipeline import upstream
 from tunix_pipeline.config import CheckpointSettings, OptimizerSettings
 from tunix_pipeline.data.tokenization import token_arrays
+from tunix_pipeline.run.errors import STOP_SIGNALS, TrainingInterrupted
 from tunix_pipeline.run.processes import barrier
 from tunix_pipeline.run.runtime import BATCH_AXES, MeshError
 from tunix_pipeline.train import checkpoints
 from tunix_pipeline.train.optim import make_optimizer
 
 log = logging.getLogger(__name__)
-
-
-class TrainingInterrupted(RuntimeError):
-    """SIGTERM (preemption) stopped training after a checkpoint was saved."""
 
 
 # ---------------------------------------------------------------- data
@@ -40,7 +37,7 @@ class BatchFeed:
     A Tunix `DataHooks`: the trainer asks for the batch of its current step, so
     a resumed run continues exactly where an uninterrupted run would be. It also
     ends the run (returns None, after which Tunix saves a last checkpoint) on
-    SIGTERM or when the session budget leaves only the time to save.
+    a stop signal or when the session budget leaves only the time to save.
     """
 
     def __init__(self, rows: pd.DataFrame, batch_size: int, seed: int, local: slice | None = None, arrays=None,
@@ -85,6 +82,11 @@ class BatchFeed:
 
     def stop(self, reason: str) -> None:
         self.stop_reason = reason
+
+    @property
+    def interrupted(self) -> bool:
+        """A signal stopped the run (not the session budget): nothing more is computed after the save."""
+        return self.stop_reason in STOP_SIGNALS
 
     def with_budget(self, hours: float | None, model) -> BatchFeed:
         """Ends the run with time left to save `model`'s checkpoint, `hours` after this process started."""
@@ -165,22 +167,35 @@ def eval_batches(rows: pd.DataFrame, batch_size: int, local: slice | None = None
     return out
 
 
-class stop_on_sigterm:
-    """SIGTERM (how preemption arrives) ends the run at the next step, with a checkpoint."""
+class stop_on_signals:
+    """SIGTERM (how preemption arrives) or Ctrl-C (SIGINT) ends the run at the next step, with a checkpoint, through
+    `feed.stop`; a second Ctrl-C stops at once (Orbax finalizes a checkpoint atomically: a half-written one is
+    ignored at the next start)."""
 
-    def __init__(self, feed: BatchFeed):
-        self.feed, self.previous = feed, None
+    def __init__(self, feed):
+        self.feed, self.previous = feed, {}
+
+    def _stop(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.feed.stop_reason in STOP_SIGNALS and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.feed.stop_reason is None:
+            log.warning("%s: stopping after this step and saving a checkpoint%s", name,
+                        " (Ctrl-C again stops at once, without it)" if signum == signal.SIGINT else "")
+            self.feed.stop(name)
 
     def __enter__(self):
-        try:
-            self.previous = signal.signal(signal.SIGTERM, lambda *_: self.feed.stop("SIGTERM"))
-        except ValueError:  # not the main thread: leave signals alone
-            self.previous = None
+        for sig in STOP_SIGNALS.values():
+            try:
+                self.previous[sig] = signal.signal(sig, self._stop)
+            except ValueError:  # not the main thread: leave signals alone
+                break
         return self
 
     def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
+        for sig, previous in self.previous.items():
+            signal.signal(sig, previous)
+        self.previous = {}
 
 
 def save_seconds_guess(model, bytes_per_second: float = 200e6) -> float:
@@ -210,7 +225,7 @@ def fit(trainer, feed: BatchFeed, ckpt_dir: epath.Path, stage: str, max_steps: i
         log.info("resuming %s from checkpoint step %d in %s", stage, start_step, ckpt_dir)
     started = time.perf_counter()
     if start_step < max_steps:
-        with stop_on_sigterm(feed):
+        with stop_on_signals(feed):
             trainer.train([], feed.evals or None)  # batches come from the data hook
     else:
         trainer.close()
@@ -246,16 +261,14 @@ def throughput_summary(trainer, feed: BatchFeed, start_step: int) -> dict:
 
 def end_run(feed: BatchFeed, stage: str, figures: dict, max_steps: int, budget_hours: float | None) -> None:
     """After the history is saved: every process waits for process 0 (the next stage restores these
-    checkpoints); a SIGTERM becomes `TrainingInterrupted`, a spent session budget a warning."""
+    checkpoints); a stop signal becomes `TrainingInterrupted`, a spent session budget a warning."""
     barrier(f"{stage}_end")
-    if feed.stop_reason == "SIGTERM":
-        raise TrainingInterrupted(
-            f"SIGTERM: saved a checkpoint at step {figures['latest_step']} in {figures['checkpoint_dir']}; "
-            "rerun the same command to resume from it"
-        )
+    if feed.interrupted:
+        raise TrainingInterrupted(feed.stop_reason, figures["latest_step"], figures["checkpoint_dir"])
     if feed.stop_reason:
-        log.warning("stopped at step %d of %d to save within the %s h session budget; rerun to continue",
-                    figures["latest_step"], max_steps, budget_hours)
+        log.warning("stopped %s at step %d of %d to save within the %s h session budget (checkpoint in %s); "
+                    "rerun the same command to continue", stage, figures["latest_step"], max_steps, budget_hours,
+                    figures["checkpoint_dir"])
 
 
 # ---------------------------------------------------------------- a Tunix trainer, as SFT and preference set it up

@@ -11,7 +11,7 @@ What we add around the trainer, through its own seams:
 - a reference model for DPO only, or its log-probabilities computed once before
   training (`precompute_reference`), so the reference need not be held;
 - SFT's machinery for the rest: batches that are a function of the step (`BatchFeed`),
-  resume, SIGTERM and the session budget, MLflow under the `preference/` prefix.
+  resume, stop signals and the session budget, MLflow under the `preference/` prefix.
 """
 
 from __future__ import annotations
@@ -269,8 +269,8 @@ def train_preference(
 
     history = run.pop("history") + _with_curves(checkpoints.new_losses(trainer, run["resumed_from_step"]), curves)
     checkpoints.save_history(ckpt_dir, history)
+    loop.end_run(feed, "preference", run, params.max_steps, params.time_budget_hours)  # a stop signal: no scoring
     accuracy_after = heldout_accuracy(model, eval_pairs, params, batch_size, mesh, eval_reference)
-    loop.end_run(feed, "preference", run, params.max_steps, params.time_budget_hours)
     return {
         "enabled": True,
         "method": params.method,

@@ -69,14 +69,14 @@ def train(
         trainer = _trainer(model, sft, mesh, checkpoints.logger_options(ckpt_dir, metrics_backends), ckpt_dir, dev)
         if dev:
             examples = batch_size * sft.gradient_accumulation_steps * examples_per_row(feed.arrays)
-            dev.start(trainer, mesh, ckpt_dir, examples, stopping=lambda: feed.stop_reason == "SIGTERM")
+            dev.start(trainer, mesh, ckpt_dir, examples, stopping=lambda: feed.interrupted)
         trainer.with_loss_fn(loss_fn_for(sft)).with_gen_model_input_fn(model_inputs)
         trainer.with_training_hooks(
             throughput_hooks(feed.step_tokens, flops_per_token, peak_flops_per_device, mesh.devices.size)
         )
         trainer.with_data_hooks(feed)
         run = fit(trainer, feed, ckpt_dir, "SFT", sft.max_steps)
-        if dev and feed.stop_reason != "SIGTERM":
+        if dev and not feed.interrupted:
             dev.catch_up(trainer.train_steps, mesh)
 
     history = run.pop("history") + checkpoints.new_losses(trainer, run["resumed_from_step"])

@@ -1,12 +1,23 @@
 """Orbax closes its event loop with reads still in flight: what we change so that a failed restore leaves no
-callbacks into a closed loop (`loops_finish_their_tasks`, re-exported as `upstream.loops_finish_their_tasks`)."""
+callbacks into a closed loop, and no read that never finishes holds the run (`loops_finish_their_tasks`, re-exported
+as `upstream.loops_finish_their_tasks`)."""
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import threading
 import time
+
+log = logging.getLogger(__name__)
+
+# One save or restore of Orbax's (a large model to or from a bucket takes minutes); past it, it fails with a
+# `TimeoutError`, which a restore treats as it treats a corrupt checkpoint (set aside for the one before)
+IO_SECONDS = 1800.0
+# Cancelled reads still running after this never finish (measured: 1 of 13 restores of a truncated checkpoint left
+# such a read, which waited 15 minutes until killed); the others finish in well under a second
+LEFTOVER_SECONDS = 10.0
 
 
 def loops_finish_their_tasks() -> None:
@@ -15,7 +26,8 @@ def loops_finish_their_tasks() -> None:
     before) the others are still in flight, and each, finishing, calls back into the closed loop: a `RuntimeError:
     Event loop is closed` traceback apiece. Here the loop first cancels and awaits its leftover tasks, as
     `asyncio.run` does, and is closed only once it has been idle a while (`_retire`): a cancelled TensorStore read
-    may still finish on its own thread and call back. Once per process; nothing where Orbax has no such function."""
+    may still finish on its own thread and call back. Every wait is bounded: the coroutine by `IO_SECONDS`, its
+    leftovers by `LEFTOVER_SECONDS`. Once per process; nothing where Orbax has no such function."""
     from orbax.checkpoint._src import asyncio_utils
 
     original = getattr(asyncio_utils, "_run_sync_via_new_loop", None)
@@ -26,7 +38,7 @@ def loops_finish_their_tasks() -> None:
         loop = asyncio.new_event_loop()
         try:
             asyncio.set_event_loop(loop)
-            return loop.run_until_complete(coro)
+            return loop.run_until_complete(_within(coro, IO_SECONDS))
         finally:
             try:
                 _finish_leftovers(loop)
@@ -39,6 +51,17 @@ def loops_finish_their_tasks() -> None:
     atexit.register(_close_retired_loops)
 
 
+async def _within(coro, seconds: float):
+    """`coro`'s result, or a `TimeoutError` once `seconds` have passed (its task cancelled, not awaited: a read that
+    ignores the cancellation would hold the wait again)."""
+    task = asyncio.ensure_future(coro)
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    if not done:
+        task.cancel()
+        raise TimeoutError(f"an Orbax checkpoint read or write did not finish within {seconds:.0f} s")
+    return task.result()
+
+
 def _finish_leftovers(loop) -> None:
     try:
         pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
@@ -46,8 +69,13 @@ def _finish_leftovers(loop) -> None:
         return
     for task in pending:
         task.cancel()
-    if pending:
-        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    if not pending:
+        return
+    _, left = loop.run_until_complete(asyncio.wait(pending, timeout=LEFTOVER_SECONDS))
+    if left:
+        log.warning("%d cancelled checkpoint reads or writes had not stopped %.0f s later; left them behind and went on",
+                    len(left), LEFTOVER_SECONDS)
+        loop.set_exception_handler(lambda *_: None)  # they die with the loop: said once above, not once each
 
 
 _RETIRED_LOOPS: list = []  # (when, loop) of finished `run_sync` loops, not yet closed
