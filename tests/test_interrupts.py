@@ -65,6 +65,7 @@ def test_ctrl_c_saves_says_so_in_one_line_and_the_same_command_resumes(smoke_run
         first.kill()
     output = log.read_text()
     assert "Traceback" not in output, output[-6000:]
+    assert "failed with error" not in output and "have not run" not in output, output[-3000:]  # said once, below
     stop = re.findall(r"^SIGINT: saved a checkpoint at step (\d+) in (\S+); resume with: (.+)$", output, re.M)
     assert len(stop) == 1, output[-3000:]
     step, folder, resume = int(stop[0][0]), stop[0][1], stop[0][2]

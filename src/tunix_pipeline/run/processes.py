@@ -4,10 +4,13 @@ and `runtime`, which both use them."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import TypeVar
 
 import numpy as np
+
+from tunix_pipeline.run.errors import UserError
 
 T = TypeVar("T")
 
@@ -19,14 +22,39 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
-def barrier(name: str) -> None:
-    """Every process waits here until all have arrived (a no-op with one process)."""
+# The longest one process may work alone while the others wait for it (process 0 writing a history or an export)
+BARRIER_SECONDS = 1800.0
+_barriers: Counter = Counter()  # calls per barrier name: each wait gets its own key, the same on every process
+
+
+class ProcessesOutOfStep(UserError, RuntimeError):
+    """A multi-host barrier timed out: another process is stuck or gone."""
+
+
+def barrier(name: str, seconds: float | None = None) -> None:
+    """Every process waits here until all have arrived, at most `seconds` (`BARRIER_SECONDS`); a no-op with one
+    process."""
     import jax
 
-    if jax.process_count() > 1:
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # its client's barrier has a deadline; JAX's public one (a collective) has none
+
+    client = distributed.global_state.client
+    if client is None:  # processes JAX did not start through jax.distributed: its collective
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+        return
+    seconds = BARRIER_SECONDS if seconds is None else seconds
+    _barriers[name] += 1
+    try:
+        client.wait_at_barrier(f"tunix_pipeline/{name}/{_barriers[name]}", int(seconds * 1000))
+    except Exception as err:  # jaxlib's JaxRuntimeError: DEADLINE_EXCEEDED, or a peer that failed
+        raise ProcessesOutOfStep(
+            f"waited {seconds:.0f} s at '{name}' for the other processes of this multi-host run, then stopped: one of "
+            f"them is stuck or has ended (its log says why): {str(err).splitlines()[0] if str(err) else err!r}"
+        ) from None
 
 
 def host_array(x) -> np.ndarray:

@@ -18,6 +18,10 @@ reads or writes leave behind on an event loop already closed (a restore that fai
 the run sets aside with one warning; `upstream.loops_finish_their_tasks` prevents the ones we know of), is dropped
 wherever Python reports it: asyncio's logger and `sys.unraisablehook`.
 
+A run that a signal stopped after saving ends in the CLI's one line (`cli.py`); Kedro's failed-node record of it
+(the same text again) and its runner's `--from-nodes` advice after it (the same command resumes) are dropped
+(`_DropStopEcho`).
+
 libtpu installed where no TPU is attached (the `tpu` extra, for the plan's XLA:TPU check) makes JAX probe a TPU at
 its start, and libtpu print `E0000 ... unexpected worker hostname` (or `Failed to find host bounds`) before JAX falls
 back to the CPU; `no_tpu_probe` leaves JAX the CPU alone there. The check still compiles for TPU topologies (libtpu's
@@ -128,6 +132,27 @@ class _DropDiskFull(logging.Filter):
         return disk_full_cause(exc) is None and disk_full_cause(Exception(record.getMessage())) is None
 
 
+STOP_LOGGERS = ("kedro.pipeline.node", "kedro.runner.sequential_runner", "kedro.runner.thread_runner",
+                "kedro.runner.parallel_runner")
+_STOP_LINE = re.compile(r"^(SIGTERM|SIGINT): saved a checkpoint at step \d+ in ", re.M)  # `TrainingInterrupted`'s
+
+
+class _DropStopEcho(logging.Filter):
+    """Drops Kedro's record of a node a stop signal ended, and the runner's advice on resuming that follows it."""
+
+    stopping = False  # for the process: the node's record comes first, the runner's after it
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.levelno >= logging.ERROR and "failed with error" in message and _STOP_LINE.search(message):
+            _DropStopEcho.stopping = True
+            return False
+        if _DropStopEcho.stopping and record.name.startswith("kedro.runner") and "have not run" in message:
+            _DropStopEcho.stopping = False
+            return False
+        return True
+
+
 def _late_callback(exc: BaseException | None) -> bool:
     """A callback that found its event loop already closed: nothing waits for its result any more."""
     return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
@@ -209,3 +234,7 @@ def install() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropDiskFull) for f in logger.filters):
             logger.addFilter(_DropDiskFull())
+    for name in STOP_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropStopEcho) for f in logger.filters):
+            logger.addFilter(_DropStopEcho())

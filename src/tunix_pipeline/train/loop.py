@@ -176,13 +176,14 @@ class stop_on_signals:
         self.feed, self.previous = feed, {}
 
     def _stop(self, signum, frame) -> None:
+        if self.feed.stop_reason is not None:  # already stopping: a second Ctrl-C stops at once
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
         name = signal.Signals(signum).name
-        if self.feed.stop_reason in STOP_SIGNALS and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        if self.feed.stop_reason is None:
-            log.warning("%s: stopping after this step and saving a checkpoint%s", name,
-                        " (Ctrl-C again stops at once, without it)" if signum == signal.SIGINT else "")
-            self.feed.stop(name)
+        log.warning("%s: stopping after this step and saving a checkpoint%s", name,
+                    " (Ctrl-C again stops at once, without it)" if signum == signal.SIGINT else "")
+        self.feed.stop(name)
 
     def __enter__(self):
         for sig in STOP_SIGNALS.values():
