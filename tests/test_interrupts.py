@@ -176,3 +176,36 @@ def test_jax_is_not_sent_probing_for_a_tpu_that_is_not_there():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and done.stdout.split()[-1] == "cpu", done.stderr[-3000:]
     assert "worker hostname" not in done.stderr and "E0000" not in done.stderr, done.stderr[-3000:]
+
+
+BARRIER_ALONE = """
+import sys, time
+import jax
+jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+from tunix_pipeline.run.processes import ProcessesOutOfStep, barrier
+if jax.process_index() == 1:
+    time.sleep(6)  # arrives too late
+    sys.exit(0)
+started = time.monotonic()
+try:
+    barrier("end_of_sft", seconds=2)
+except ProcessesOutOfStep as err:
+    print(f"{time.monotonic() - started:.1f}|{err}")
+"""
+
+
+def test_a_multi_host_barrier_that_another_process_never_reaches_ends_within_its_limit():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    late = subprocess.Popen([sys.executable, "-c", BARRIER_ALONE, address, "1"], env=env)
+    try:
+        first = subprocess.run([sys.executable, "-c", BARRIER_ALONE, address, "0"], env=env, capture_output=True,
+                               text=True, timeout=120)
+    finally:
+        late.kill()
+        late.wait()
+    seconds, message = first.stdout.strip().splitlines()[-1].split("|", 1)
+    assert float(seconds) < 5, first.stdout
+    assert message.startswith("waited 2 s at 'end_of_sft' for the other processes of this multi-host run"), message
