@@ -1,14 +1,11 @@
 """The package stays legible: no import cycle between its modules (imports inside functions count too), only the
-modules above the pipelines import them, no pipeline imports another, modules in packages by concern, no module over
-~400 lines, no function over ~60 (the project's rules, with a little slack so a docstring line does not fail the
-build)."""
+modules above the pipelines import them, no pipeline imports another, modules in packages by concern. Sizes and
+names are review guidance (CONTRIBUTING.md), not tests."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "src" / "tunix_pipeline"
-MAX_MODULE_LINES = 420
-MAX_FUNCTION_LINES = 66
 
 
 def module_name(path: Path) -> str:
@@ -104,55 +101,6 @@ TOP_MODULES = {"__init__", "__main__", "cli", "pipeline_registry", "settings", "
 def test_the_package_top_holds_only_kedros_entry_points_and_the_stage_registry():
     loose = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in TOP_MODULES)
     assert not loose, f"move these into the package of their concern: {loose}"
-
-
-def test_modules_and_functions_stay_short():
-    long_modules, long_functions = [], []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        text = path.read_text()
-        if text.count("\n") > MAX_MODULE_LINES:
-            long_modules.append(f"{path.relative_to(PACKAGE)} ({text.count(chr(10))} lines)")
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = node.end_lineno - node.lineno + 1
-                if lines > MAX_FUNCTION_LINES:
-                    long_functions.append(f"{path.relative_to(PACKAGE)}:{node.name} ({lines} lines)")
-    assert not long_modules, f"split these modules by job: {long_modules}"
-    assert not long_functions, f"split these functions: {long_functions}"
-
-
-# The same words in other vocabularies, not the stages: a data format (rows of prompt/chosen/rejected) and GRPO's
-# loss variant, named as Tunix names them.
-OTHER_VOCABULARIES = {
-    ("config/data.py", "preference"), ("config/polish.py", "preference"), ("data/readers.py", "preference"),
-    ("data/ingest.py", "preference"), ("config/polish.py", "grpo"), ("upstream/rl.py", "grpo"),
-}
-
-
-def stage_of(path: str) -> str | None:
-    """The stage a module belongs to, by its place: `pipelines/<stage>/`, `train/<stage>.py`, `planning/<stage>*.py`."""
-    parts = path.removesuffix(".py").split("/")
-    if parts[0] == "pipelines" and len(parts) > 2:
-        return parts[1]
-    if parts[0] in ("train", "planning"):
-        return parts[-1].split("_")[0]
-    return None
-
-
-def test_stage_names_appear_only_in_the_registry_and_each_stages_own_modules():
-    from tunix_pipeline.stages import STAGES
-
-    names = {stage.name for stage in STAGES}
-    found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        where = path.relative_to(PACKAGE).as_posix()
-        if where == "stages.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Constant) and node.value in names and stage_of(where) != node.value
-                    and (where, node.value) not in OTHER_VOCABULARIES):
-                found.append(f"{where}:{node.lineno} {node.value!r}")
-    assert not found, "a stage named outside the registry (use its Stage from tunix_pipeline.stages):\n" + "\n".join(found)
 
 
 def test_every_stage_has_its_checks_and_every_polish_stage_its_planning_module():

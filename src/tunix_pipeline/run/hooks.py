@@ -1,5 +1,5 @@
-"""Project hooks, one class per concern: credentials, whole outputs, JAX devices and the mesh, the stages' settings
-checked before the first node (`preflight`), the MLflow run, the session ledger.
+"""Project hooks, one class per concern: one writer per output root, credentials, whole outputs, JAX devices and the
+mesh, the stages' settings checked before the first node (`preflight`), the MLflow run, the session ledger.
 
 Each reads its own sections of the parameters in `after_context_created`. Where two must run in an order
 (the ledger refuses a finished plan before anything starts, and records the MLflow run before it ends),
