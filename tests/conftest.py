@@ -50,7 +50,7 @@ def copy_project(dest: Path) -> Path:
 LONGEST_FIRST = [
     "test_recipes.py", "test_training.py", "test_planning_grpo.py", "test_multihost.py", "test_project.py",
     "test_tpu_compile.py", "test_smoke.py", "test_gsm8k_harness.py", "test_polish_skips.py", "test_restart.py",
-    "test_output_layer.py", "test_benchmarks.py", "test_notebook.py", "test_gguf.py", "test_real_gemma.py",
+    "test_output_layer.py", "test_benchmarks.py", "test_interrupts.py", "test_notebook.py", "test_gguf.py", "test_real_gemma.py",
 ]
 
 
