@@ -67,7 +67,12 @@ def acquire(root: Path, command: str) -> OutputLock:
     while True:
         try:
             with open(path, "x") as f:
-                json.dump(me, f)
+                try:
+                    json.dump(me, f)
+                    f.flush()
+                except BaseException:  # a full disk: no empty lock left for the next run to wait on
+                    path.unlink(missing_ok=True)
+                    raise
             return OutputLock(path, me)
         except FileExistsError:
             pass
