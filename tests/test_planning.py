@@ -66,6 +66,43 @@ def test_layer_extrapolation_matches_compiling_every_layer():
     assert abs(extrapolated - whole) / whole < 0.05
 
 
+def test_a_program_compiled_before_is_read_back_with_its_figures(tmp_path):
+    import jax
+
+    from tunix_pipeline.planning import compiled_figures
+
+    figures = ("peak", "argument", "output", "alias", "temp", "flops", "bytes_accessed", "platform")
+    kept = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    compiled_figures._IN_PROCESS.clear()  # what earlier tests compiled here
+    try:
+        first = xla.compile_step(TINY, TINY_SETUP)
+        assert "compiled_before" not in first
+        again = xla.compile_step(TINY, TINY_SETUP)  # this process's copy
+        compiled_figures._IN_PROCESS.clear()
+        from_disk = xla.compile_step(TINY, TINY_SETUP)  # another process's: the file beside JAX's cache
+        for result in (again, from_disk):
+            assert result["compiled_before"] and {k: result[k] for k in figures} == {k: first[k] for k in figures}
+        [entry] = (tmp_path / "xla-figures").glob("*.json")
+        # another program is another entry; an unreadable entry is compiled again, and rewritten
+        other = xla.compile_step(TINY, TINY_SETUP.replace(per_device_batch=1))
+        assert "compiled_before" not in other and other["temp"] < first["temp"]
+        compiled_figures._IN_PROCESS.clear()
+        entry.write_text("{")
+        recompiled = xla.compile_step(TINY, TINY_SETUP)
+        assert "compiled_before" not in recompiled and recompiled["peak"] == first["peak"]
+        assert json.loads(entry.read_text())["peak"] == first["peak"]
+        # a refusal for memory is kept as XLA's message and raised again
+        compiled_figures.write("refused", {"refused": "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm"})
+        compiled_figures._IN_PROCESS.clear()
+        with pytest.raises(compiled_figures.Refused, match="Ran out of memory in memory space hbm"):
+            compiled_figures.read("refused")
+        assert "read back" in xla.xla_peak(TINY, TINY_SETUP, max_layers=None)["method"]
+    finally:
+        jax.config.update("jax_compilation_cache_dir", kept)
+        compiled_figures._IN_PROCESS.clear()
+
+
 def test_parameter_count_is_the_abstract_models():
     from flax import nnx
 

@@ -27,6 +27,7 @@ import re
 import time
 
 from tunix_pipeline.config import GrpoParams, JudgeParams
+from tunix_pipeline.planning import compiled_figures
 from tunix_pipeline.planning.architecture import Architecture
 from tunix_pipeline.planning.memory import GIB, TrainSetup, estimate_memory
 from tunix_pipeline.planning.xla import abstract, abstract_policy, measure
@@ -80,7 +81,7 @@ def compile_decode_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
             state, cache, _rows(mesh, sequences, (sequences, 1), jnp.int32),
             _rows(mesh, sequences, (sequences, 1), jnp.int32), _rows(mesh, sequences, (sequences, 1, cache_size), jnp.bool_),
         )
-        return measure(lowered, started, layers, devices[0].platform)
+        return measure(lowered, started, layers, devices)
 
 
 def compile_update_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams, layers: int, lora, devices) -> dict:
@@ -128,7 +129,7 @@ def compile_update_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
         lowered = jax.jit(train_step, donate_argnums=(2,)).lower(
             abstract(trained, mesh), abstract(frozen, mesh), abstract(opt_state, mesh), example
         )
-        return measure(lowered, started, layers, devices[0].platform)
+        return measure(lowered, started, layers, devices)
 
 
 def compile_judge_call(arch: Architecture, setup: TrainSetup, judge: JudgeParams, layers: int, devices) -> dict:
@@ -159,7 +160,7 @@ def compile_judge_call(arch: Architecture, setup: TrainSetup, judge: JudgeParams
             abstract(state, mesh), _rows(mesh, seqs, (seqs, length), jnp.int32),
             _rows(mesh, seqs, (seqs, length), jnp.int32), _rows(mesh, seqs, (seqs, length, length), jnp.bool_),
         )
-        return measure(lowered, started, layers, devices[0].platform)
+        return measure(lowered, started, layers, devices)
 
 
 def check_judges(plan, policy, grpo: GrpoParams, arches: dict, devices, max_layers: int | None) -> dict:
@@ -191,7 +192,8 @@ def whole_model(compile_at, arch: Architecture, max_layers: int | None, period: 
     (XLA:TPU schedules a model's first layer unlike the others: see `xla.xla_peak`)."""
     first = 2 * period
     if max_layers is None or arch.num_layers <= max(max_layers, first + period):
-        return {**compile_at(arch.num_layers), "method": f"compiled all {arch.num_layers} layers"}
+        full = compile_at(arch.num_layers)
+        return {**full, "method": compiled_figures.method(f"compiled all {arch.num_layers} layers", full)}
     a, b = compile_at(first), compile_at(first + period)
     periods = (arch.num_layers - first) / period
     return {
@@ -200,7 +202,8 @@ def whole_model(compile_at, arch: Architecture, max_layers: int | None, period: 
         "bytes_accessed": a["bytes_accessed"] + periods * (b["bytes_accessed"] - a["bytes_accessed"]),
         "seconds": a["seconds"] + b["seconds"],
         "platform": a["platform"],
-        "method": f"compiled {first} and {first + period} layers, extrapolated to {arch.num_layers}",
+        "method": compiled_figures.method(f"compiled {first} and {first + period} layers, extrapolated to {arch.num_layers}",
+                                          a, b),
     }
 
 

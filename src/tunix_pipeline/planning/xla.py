@@ -40,6 +40,7 @@ import subprocess
 import sys
 import time
 
+from tunix_pipeline.planning import compiled_figures
 from tunix_pipeline.planning.architecture import Architecture, PlanError, from_hf_config
 from tunix_pipeline.planning.memory import TrainSetup
 from tunix_pipeline.upstream import accelerator_sharding
@@ -141,15 +142,26 @@ def _unpersisted():
         jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
 
 
-def measure(lowered, started: float, layers: int, platform: str) -> dict:
-    """Compile `lowered`: memory_analysis() (bytes per device: arguments + outputs - aliases + temporaries)
-    and cost_analysis() FLOPs and bytes accessed per device (the program is partitioned)."""
+def measure(lowered, started: float, layers: int, devices) -> dict:
+    """Compile `lowered` for `devices`: memory_analysis() (bytes per device: arguments + outputs - aliases +
+    temporaries) and cost_analysis() FLOPs and bytes accessed per device (the program is partitioned); read
+    back instead when the same program was compiled before (`compiled_figures`)."""
     import jax
 
+    platform = devices[0].platform
     # XLA:CPU assigns buffers before LLVM runs: skipping its optimisations changes no figure, only the wait
-    fast = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+    options = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True} if platform == "cpu" else None
+    entry = compiled_figures.key(lowered, options, devices)
+    kept = compiled_figures.read(entry)  # raises XLA:TPU's refusal again, as compiling would
+    if kept is not None:
+        return {**kept, "layers": layers, "seconds": time.perf_counter() - started, "compiled_before": True}
     with _unpersisted() if platform != jax.default_backend() else contextlib.nullcontext():
-        compiled = lowered.compile(compiler_options=fast if platform == "cpu" else None)
+        try:
+            compiled = lowered.compile(compiler_options=options)
+        except Exception as err:
+            if compiled_figures.REFUSED in str(err):
+                compiled_figures.write(entry, {"refused": str(err)})
+            raise
     ma = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # one dict per program in older JAX
@@ -160,12 +172,11 @@ def measure(lowered, started: float, layers: int, platform: str) -> dict:
         "output": ma.output_size_in_bytes,
         "alias": ma.alias_size_in_bytes,
         "temp": ma.temp_size_in_bytes,
-        "layers": layers,
-        "seconds": time.perf_counter() - started,
         "platform": platform,
     }
     out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
-    return out
+    compiled_figures.write(entry, out)
+    return {**out, "layers": layers, "seconds": time.perf_counter() - started}
 
 
 def compile_step(arch: Architecture, setup: TrainSetup, layers: int | None = None, lora=None, devices=None) -> dict:
@@ -208,7 +219,7 @@ def compile_step(arch: Architecture, setup: TrainSetup, layers: int | None = Non
     with accelerator_sharding(), mesh:
         lowered = jax.jit(train_step, donate_argnums=(2,)).lower(
             abstract(trained, mesh), abstract(frozen, mesh), abstract(opt_state, mesh), batch)
-        return measure(lowered, started, layers, devices[0].platform)
+        return measure(lowered, started, layers, devices)
 
 
 def xla_peak(arch: Architecture, setup: TrainSetup, max_layers: int | None = 4, lora=None, devices=None) -> dict:
@@ -224,7 +235,7 @@ def xla_peak(arch: Architecture, setup: TrainSetup, max_layers: int | None = 4, 
     second = first + step
     if max_layers is None or arch.num_layers <= max(max_layers, second):
         full = compile_step(arch, setup, None, lora, devices)
-        return {**full, "method": f"compiled all {arch.num_layers} layers"}
+        return {**full, "method": compiled_figures.method(f"compiled all {arch.num_layers} layers", full)}
     a = compile_step(arch, setup, first, lora, devices)
     b = compile_step(arch, setup, second, lora, devices)
     periods = (arch.num_layers - first) / step
@@ -239,7 +250,7 @@ def xla_peak(arch: Architecture, setup: TrainSetup, max_layers: int | None = 4, 
         "per_layer": (b["peak"] - a["peak"]) / step,
         "seconds": a["seconds"] + b["seconds"],
         "platform": a["platform"],
-        "method": f"compiled {first} and {second} layers, extrapolated to {arch.num_layers}",
+        "method": compiled_figures.method(f"compiled {first} and {second} layers, extrapolated to {arch.num_layers}", a, b),
     }
 
 
