@@ -114,7 +114,7 @@ def test_grpo_compiles_for_a_kaggle_v5e_8():
     for phase in ("generation", "update"):
         x = compiled[phase]
         assert "error" not in x, x
-        assert x["method"] == "compiled all 3 layers" and x["flops_per_device"] > 0
+        assert x["method"].startswith("compiled all 3 layers") and x["flops_per_device"] > 0
         print(f"GRPO {phase}: XLA:TPU {x['xla_gib']:.2f} GiB per chip, estimate {x['difference']:+.1%}, {x['seconds']:.0f} s")
         assert 0 < x["xla_gib"] < 16
     # the update's estimate is held within 10% (+5.2% here; -1.1% to +1.8% at 6, 13 and 26 layers, RESULTS.md

@@ -117,7 +117,7 @@ def test_the_judges_scoring_call_compiles_for_a_kaggle_v5e_8():
     policy, _ = judge_lib.policy_row(plan, plan.selected, grpo, params)
     name, devices = xla.tpu_target(plan.selected.hw)
     x = grpo_xla.check_judges(plan, policy, grpo, judge_lib.architectures(grpo, params), devices, 4)["judge"]
-    assert "error" not in x and x["method"] == "compiled all 2 layers" and 0 < x["xla_gib"] < 16
+    assert "error" not in x and x["method"].startswith("compiled all 2 layers") and 0 < x["xla_gib"] < 16
     # the head on the last position only: a forward's FLOPs, 2 a weight and token (the embedding is a lookup)
     arch = judge_lib.architectures(grpo, params)["judge"]
     matmuls = 2 * (arch.num_layers * arch.layer_matrix_params) * 16 * 1024 / 4

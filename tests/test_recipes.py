@@ -225,7 +225,7 @@ def test_qwen05b_v5e8_against_seed_001(plans, params):
     assert abs(summary["cost"] / 2.40 - 1) < 0.25 and abs(summary["preemptible_cost"] / 0.60 - 1) < 0.25
     assert 0.05 < summary["step_seconds"] / summary["gradient_accumulation"] < 0.25
     assert summary["xla_check"]["mesh"] == {"data": 1, "fsdp": 8, "tp": 1}
-    assert summary["xla_check"]["method"] == "compiled all 24 layers"  # the recipe compiles every layer
+    assert summary["xla_check"]["method"].startswith("compiled all 24 layers")  # every layer (maybe read back)
 
 
 @pytest.mark.slow  # the plans compile with XLA:TPU
