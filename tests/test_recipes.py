@@ -88,26 +88,44 @@ def params(recipes_project):
     return out
 
 
-@pytest.fixture(scope="module")
-def plans(recipes_project):
-    """plan.json and plan.md of `kedro run --pipelines=plan --env <recipe>`, for every recipe."""
-    out = {}
-    reports = recipes_project / "data" / "08_reporting"
-    for env in RECIPES:
+class _Plans(dict):
+    """plan.json and plan.md of `kedro run --pipelines=plan --env <recipe>`, each recipe planned when a test first
+    reads it: a test waits for the plans it checks only (the TPU recipes' compiles are minutes each)."""
+
+    def __init__(self, project: Path):
+        super().__init__()
+        self.project, self.failed = project, {}
+
+    def __missing__(self, env):
+        if env in self.failed:  # planned once: a failed plan fails each test that reads it, not planned again
+            raise self.failed[env]
+        try:
+            self[env] = self._run(env)
+        except Exception as err:
+            self.failed[env] = err
+            raise
+        return self[env]
+
+    def _run(self, env):
+        reports = self.project / "data" / "08_reporting"
         xla_off = {"xla_check": {"enabled": False}}
         sft_only = {"xla_check": {"grpo": False}}  # the SFT step's compile is tested here; GRPO's in test_planning_grpo
         if env in SUBPROCESS:
             env_vars = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the recipe's own device count
             done = subprocess.run(
                 [KEDRO, "run", "--pipelines=plan", "--env", env],
-                cwd=recipes_project, capture_output=True, text=True, env=env_vars, timeout=1200,
+                cwd=self.project, capture_output=True, text=True, env=env_vars, timeout=1200,
             )
             assert done.returncode == 0, done.stderr[-3000:]
         else:
-            with _session(recipes_project, env, plan=sft_only if env in TPU_RECIPES else xla_off) as session:
+            with _session(self.project, env, plan=sft_only if env in TPU_RECIPES else xla_off) as session:
                 session.run(pipeline_names=["plan"])
-        out[env] = (json.loads((reports / "plan.json").read_text()), (reports / "plan.md").read_text())
-    return out
+        return json.loads((reports / "plan.json").read_text()), (reports / "plan.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def plans(recipes_project):
+    return _Plans(recipes_project)
 
 
 def _plan(params, env, **sft_changes):
