@@ -17,7 +17,9 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 _CACHE_HOME = sys.prefix if sys.prefix != sys.base_prefix else tempfile.gettempdir()
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_CACHE_HOME, "tunix-pipeline-jax-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))  # least recently used programs go first
+# and no size limit: with one, JAX's cache takes a lock shared by every process and reads every entry's size and
+# access time on each write (0.8 s a write with 3,000 programs in it, thousands of writes a run, the processes
+# queued on that lock). A whole run writes ~60 MB.
 
 import json
 import shutil
