@@ -190,12 +190,3 @@ def test_kill_9_during_sft_then_rerun_continues_one_mlflow_run(project):
     assert sorted(steps) == list(range(1, 81)), "one loss value per step, none missing, none twice"
     result = json.loads((project / "data" / "06_models" / "sft_result.json").read_text())
     assert result["resumed_from_step"] >= 40 and result["latest_step"] == 80
-
-
-@pytest.mark.slow
-def test_smoke_passes_with_packing(project):
-    with _session(project, tokenize={"pack": True}) as session:
-        session.run(pipeline_names=["smoke"])
-    report = json.loads((project / "data" / "08_reporting" / "tokenize_report.json").read_text())["train"]
-    assert report["packed"] and report["padding_efficiency"] > report["padding_efficiency_unpacked"]
-    assert json.loads((project / "data" / "08_reporting" / "smoke_report.json").read_text())["passed"]

@@ -2,6 +2,7 @@
 continues the run it follows when that run did not finish and has the same environment and configuration;
 otherwise it opens a new run tagged `lineage.restart_of`."""
 
+import json
 import os
 import signal
 import subprocess
@@ -29,6 +30,8 @@ def _kedro(project, *args):
 
 
 def test_a_restart_continues_an_unfinished_run_or_opens_a_linked_one(project):
+    # the smoke configuration with packing, for every run here: the finished run must pass the smoke checks with it
+    (project / "conf" / "local" / "parameters_tokenize.yml").write_text("tokenize:\n  pack: true\n")
     # a smoke run stopped (kill -9, as a preemption) once SFT is done, while it evaluates
     victim = subprocess.Popen(SMOKE, cwd=project, env=os.environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     sft_done = project / "data" / "06_models" / "sft_result.json"
@@ -48,7 +51,11 @@ def test_a_restart_continues_an_unfinished_run_or_opens_a_linked_one(project):
     rerun = _kedro(project, "--only-missing-outputs")
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert sft_done.stat().st_mtime_ns == trained_at, "the finished nodes ran again"
-    assert (project / "data" / "08_reporting" / "smoke_report.json").exists()
+    reporting = project / "data" / "08_reporting"
+    assert json.loads((reporting / "smoke_report.json").read_text())["passed"]
+    # packed rows: each step holds more tokens than padded rows would
+    packing = json.loads((reporting / "tokenize_report.json").read_text())["train"]
+    assert packing["packed"] and packing["padding_efficiency"] > packing["padding_efficiency_unpacked"]
     client, runs = _runs(project)
     assert [r.info.run_id for r in runs] == [first], "the restart should continue the stopped run"
     run = runs[0]
