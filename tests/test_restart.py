@@ -1,6 +1,6 @@
-"""The restart rule on the smoke configuration (with packed rows), with real `kedro run`s: a rerun with --only-missing-outputs
-continues the run it follows when that run did not finish and has the same environment and configuration;
-otherwise it opens a new run tagged `lineage.restart_of`."""
+"""The restart rule on the smoke configuration (with packed rows), with real `kedro run`s: a rerun with
+--only-missing-outputs continues the run it follows when that run did not finish and has the same environment and
+configuration; otherwise it opens a new run tagged `lineage.restart_of`."""
 
 import json
 import os
