@@ -11,8 +11,8 @@ lm-evaluation-harness's `hf` backend through the shipped `tagged_answer` task on
    export of the final policy (`06_models/exported`, LoRA merged).
 2. lm-eval's `hf` backend (transformers, float32, `--torch-threads`) on `base_model/` and `exported/` over the same
    test rows, with the same prompt (the recipe's instruction in Gemma's chat template) and generation length.
-3. One table: base / SFT / GRPO x strict, lenient and format, each with its 95% interval, the two paired tests
-   (SFT against base, GRPO against SFT), training examples, steps and wall times, and hf's three scores beside
+3. One table: base / base k-shot (`evaluate.few_shot`) / SFT / GRPO x strict, lenient and format, each with its
+   95% interval, the paired tests (SFT against base and base k-shot, GRPO against SFT, base and base k-shot), training examples, steps and wall times, and hf's three scores beside
    ours. Prints one JSON object, writes benchmarks/results/gsm8k_real.json.
 """
 
@@ -31,6 +31,7 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
+from tunix_pipeline.evaluate.evaluation import PAIRED_KEYS  # noqa: E402
 
 ENV = "gemma3_270m_gsm8k_cpu"
 KEDRO = str(Path(sys.executable).parent / "kedro")
@@ -95,7 +96,9 @@ def _json(path: Path) -> dict:
 def table(root: Path) -> dict:
     """Our scores of base, SFT and GRPO with their intervals and paired tests, and what trained each stage."""
     first, after_grpo = _json(root / "08_reporting/eval_metrics.json"), _json(root / "08_reporting/grpo_eval_metrics.json")
-    scored = {"base": first.get("base"), "sft": first.get("tuned"), "grpo": after_grpo.get("grpo")}
+    shown = [label for label in first if label.startswith("base_") and label.endswith("shot")]  # evaluate.few_shot
+    scored = {"base": first.get("base"), **{label: first[label] for label in shown}, "sft": first.get("tuned"),
+              "grpo": after_grpo.get("grpo")}
     sft, grpo = _json(root / "06_models/sft_result.json"), _json(root / "06_models/grpo_result.json")
     models = {}
     for label, m in scored.items():
@@ -104,8 +107,7 @@ def table(root: Path) -> dict:
         models[label] = {"problems": m["prompts"], **{k: m[k] for k in READINGS},
                          **{f"{k}_ci95": m[f"{k}_ci95"] for k in READINGS},
                          "truncated": m.get("truncated"), "mean_completion_tokens": m.get("mean_completion_tokens")}
-        if m.get("paired"):
-            models[label]["paired"] = m["paired"]
+        models[label].update({key: m[key] for key in PAIRED_KEYS if m.get(key)})
     models.setdefault("sft", {})["training"] = {
         k: sft.get(k) for k in ("latest_step", "global_batch_size", "sequence_length", "train_seconds", "last_loss")}
     if grpo:

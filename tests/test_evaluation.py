@@ -294,7 +294,7 @@ def test_empty_eval_split_gives_a_report_not_a_crash():
     empty = pd.DataFrame(columns=["id", "prompt", "answer"])
     sft_result = {"history": [{"step": 1, "loss": 2.0}], "checkpoint_dir": "nowhere"}
     metrics, samples, report, curve = evaluate_models(
-        empty, empty, {"path": "nowhere"}, sft_result, ModelParams(), EvaluateParams(), MESH
+        empty, empty, empty, {"path": "nowhere"}, sft_result, ModelParams(), EvaluateParams(), MESH
     )
     assert metrics == {"empty_eval_split": True} and samples.empty
     assert "eval split is empty" in report and curve is not None

@@ -102,3 +102,47 @@ def test_the_split_of_eval_records_reaches_the_formatted_rows(tmp_path, tokenize
     assert out["split"].value_counts().to_dict() == {"dev": 2, "test": 2}
     # eval records written before the column existed were all carved from training: "dev"
     assert format_records(evaluation.drop(columns="split"), tokenizer, FormatParams())["split"].eq("dev").all()
+
+
+def test_few_shot_prompts_show_solved_training_rows_in_the_same_chat_and_format_never_an_eval_row(tokenizer):
+    """The shipped GSM8K files as the GSM8K recipe reads them (train carved into train and dev, test evaluation-only):
+    each k-shot prompt is the zero-shot conversation with k solved training rows as earlier turns, their answers in
+    the tagged format the models are scored on; the examples are drawn once, the same for every problem."""
+    import pytest
+
+    from tunix_pipeline.config import EvaluateParams, IngestParams, SourceParams
+    from tunix_pipeline.data.answers import render
+    from tunix_pipeline.data.formatting import few_shot_examples, format_few_shot
+    from tunix_pipeline.data.ingest import ingest
+    from tunix_pipeline.run.errors import UserError
+
+    from .conftest import ROOT
+
+    gsm8k = ROOT / "data" / "01_raw" / "gsm8k"
+    train, evaluation, _ = ingest(IngestParams(sources=[
+        SourceParams(name="gsm8k", path=str(gsm8k / "train.jsonl"), format="gsm8k", max_rows=200),
+        SourceParams(name="gsm8k_test", path=str(gsm8k / "test.jsonl"), format="gsm8k", max_rows=20, eval_only=True),
+    ], eval_fraction=0.1))
+    params = FormatParams(system_prompt="Solve it. Answer in tags.")
+    examples = few_shot_examples(train, 3, seed=0)
+    assert len(examples) == 3 and set(examples["id"]) <= set(train["id"])
+    assert not set(examples["id"]) & set(evaluation["id"])  # neither a dev row nor a test row
+    assert examples["id"].tolist() == few_shot_examples(train, 3, seed=0)["id"].tolist()  # one draw, seeded
+
+    zero_shot = format_records(evaluation, tokenizer, params)
+    k_shot = format_few_shot(evaluation, examples, tokenizer, params)
+    assert k_shot.drop(columns="prompt").equals(zero_shot.drop(columns="prompt"))  # the same problems, in order
+    shots = "".join(f"<start_of_turn>user\n{q.strip()}<end_of_turn>\n<start_of_turn>model\n{render(r, a)}<end_of_turn>\n"
+                    for q, r, a in zip(examples["prompt"], examples["reasoning"], examples["answer"]))
+    shots = shots.replace("<start_of_turn>user\n", "<start_of_turn>user\nSolve it. Answer in tags.\n\n", 1)
+    for record, prompt in zip(evaluation.to_dict(orient="records"), k_shot["prompt"]):
+        question = f"<start_of_turn>user\n{record['prompt'].strip()}<end_of_turn>\n<start_of_turn>model\n"
+        assert prompt == "<bos>" + shots + question
+    assert set(k_shot["split"]) == {"dev", "test"}
+
+    with pytest.raises(UserError, match=r"^evaluate.few_shot: 500 needs 500 solved training rows; the train split "
+                                        r"has 180 \(lower evaluate.few_shot\)$"):
+        few_shot_examples(train, 500, seed=0)
+    with pytest.raises(ValueError, match="few_shot scores the base model: set compare_base_model: true"):
+        EvaluateParams(few_shot=3, compare_base_model=False)
+    assert EvaluateParams(few_shot=3, compare_base_model=False, few_shot_models="all").few_shot == 3

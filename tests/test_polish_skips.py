@@ -48,8 +48,10 @@ def _run(project, **params):
 
 @pytest.mark.slow
 def test_no_pair_passes_the_margin_so_preference_is_skipped_and_grpo_and_export_go_on(project):
-    # the rewards of the smoke run's samples differ by at most 3.5 (format 1 + 0.5, answer 2): none by 100
-    outputs, run, reporting = _run(project, **{"sft.max_steps": 30, "preference.from_rewards.margin": 100.0})
+    # the rewards of the smoke run's samples differ by at most 3.5 (format 1 + 0.5, answer 2): none by 100; every
+    # model is also scored shown 2 solved training rows, and each tuned policy paired against the base both ways
+    outputs, run, reporting = _run(project, **{"sft.max_steps": 30, "preference.from_rewards.margin": 100.0,
+                                               "evaluate.few_shot": 2, "evaluate.few_shot_models": "all"})
     sft, preference, grpo, exported = (outputs[k] for k in ("sft_result", "preference_result", "grpo_result",
                                                             "exported_model"))
     assert run.info.status == "FINISHED" and run.data.tags["preference.skipped"] == "true"
@@ -63,6 +65,36 @@ def test_no_pair_passes_the_margin_so_preference_is_skipped_and_grpo_and_export_
     assert grpo["enabled"] and grpo["start_checkpoint_dir"] == sft["checkpoint_dir"] and grpo["start_step"] == 30
     assert exported["stage"] == "grpo" and exported["skipped_stages"] == {"preference": preference["skip_reason"]}
     assert (project / "data" / "06_models" / "exported" / "config.json").is_file()
+    _assert_the_base_is_scored_zero_shot_and_2_shot(project, run, reporting)
+
+
+def _assert_the_base_is_scored_zero_shot_and_2_shot(project, run, reporting):
+    """`evaluate.few_shot: 2` for every model: base zero-shot and 2-shot side by side on the same problems, SFT's and
+    GRPO's policies paired against both, and each k-shot score against its parent's (reports, metrics, MLflow)."""
+    import pandas as pd
+
+    metrics = json.loads((reporting / "eval_metrics.json").read_text())
+    assert list(metrics) == ["base", "base_2shot", "tuned", "tuned_2shot"]
+    assert metrics["base_2shot"]["prompts"] == metrics["base"]["prompts"] > 0
+    assert metrics["base_2shot"]["eval_loss"] is None  # the loss is the base's: not measured twice
+    tuned = metrics["tuned"]
+    assert tuned["paired"]["against"] == "base" and tuned["paired_few_shot"]["against"] == "base_2shot"
+    assert metrics["tuned_2shot"]["paired"]["against"] == "base_2shot"
+    samples = pd.read_json(project / "data" / "07_model_output" / "eval_samples.jsonl", lines=True, dtype=False)
+    base, shown = samples[samples["model"] == "base"], samples[samples["model"] == "base_2shot"]
+    assert shown["id"].tolist() == base["id"].tolist()
+    assert all(p.endswith(q.split("<start_of_turn>user\n")[-1]) and p.count("<start_of_turn>model\n<reasoning>") == 2
+               for p, q in zip(shown["prompt"], base["prompt"]))
+    after_grpo = json.loads((reporting / "grpo_eval_metrics.json").read_text())
+    assert list(after_grpo) == ["sft", "sft_2shot", "grpo", "grpo_2shot"]
+    grpo = after_grpo["grpo"]
+    assert (grpo["paired"]["against"], grpo["paired_base"]["against"], grpo["paired_few_shot"]["against"]) == \
+        ("sft", "base", "base_2shot")
+    assert after_grpo["grpo_2shot"]["paired"]["against"] == "sft_2shot"
+    assert "| tuned vs base_2shot |" in (reporting / "eval_report.md").read_text()
+    assert "| grpo vs base_2shot |" in (reporting / "grpo_eval_report.md").read_text()
+    assert {"eval_metrics.base_2shot.lenient_accuracy", "eval_metrics.tuned.paired_few_shot.lenient_accuracy.p_value",
+            "grpo_eval_metrics.grpo.paired_few_shot.lenient_accuracy.p_value"} <= set(run.data.metrics)
 
 
 @pytest.mark.slow

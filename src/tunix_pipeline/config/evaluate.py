@@ -58,6 +58,11 @@ class EvaluateParams(Strict):
     seed: int = 0
     numeric_tolerance: float = Field(1e-6, ge=0)
     compare_base_model: bool = True
+    # k solved examples from the training split (drawn once with `seed`) before each problem, as earlier turns of
+    # the same chat in the same tagged format: the base model at its best, as lm-eval's few-shot GSM8K shows it.
+    # `base`: the base is scored zero-shot and k-shot side by side; `all`: every model evaluated is scored both ways
+    few_shot: int = Field(0, ge=0, description="solved training examples before each problem; 0: zero-shot only")
+    few_shot_models: Literal["base", "all"] = "base"
     harness: HarnessParams = HarnessParams()
     # a judge model scoring every generated completion (`judge_score`, beside the answer metrics): what open-ended
     # prompts (writing, summaries) are measured by; null: no judge
@@ -69,6 +74,8 @@ class EvaluateParams(Strict):
             raise ValueError("num_samples > 1 needs temperature > 0 (greedy samples are all the same)")
         if (self.top_p is not None or self.top_k is not None) and self.temperature == 0:
             raise ValueError("top_p / top_k need temperature > 0 (temperature 0 is greedy)")
+        if self.few_shot and self.few_shot_models == "base" and not self.compare_base_model:
+            raise ValueError("few_shot scores the base model: set compare_base_model: true, or few_shot_models: all")
         return self
 
 class ExportParams(Strict):

@@ -17,6 +17,7 @@ import pandas as pd
 from tunix_pipeline.config import FormatParams
 from tunix_pipeline.data.answers import GEMMA_END_OF_TURN, render
 from tunix_pipeline.data.ingest import conversation
+from tunix_pipeline.run.errors import UserError
 
 FORMATTED_COLUMNS = ["id", "source", "prompt", "completion", "answer", "open_ended", "split"]
 
@@ -84,3 +85,35 @@ def format_records(records: pd.DataFrame, tokenizer, params: FormatParams) -> pd
             row["rejected"] = render(record["rejected_reasoning"], record["rejected_answer"]) + closing
         rows.append(row)
     return pd.DataFrame(rows, columns=FORMATTED_COLUMNS + (["rejected"] if pairs else []))
+
+
+def few_shot_label(label: str, k: int) -> str:
+    """The label a model's k-shot scores go by (`base_3shot`)."""
+    return f"{label}_{k}shot"
+
+
+def few_shot_examples(train_records: pd.DataFrame, k: int, seed: int) -> pd.DataFrame:
+    """`k` solved rows of the training split, drawn once with `seed`: rows with an answer to match only."""
+    solved = train_records[train_records["answer"].astype(str).str.len() > 0]
+    if "open_ended" in solved:
+        solved = solved[~solved["open_ended"].fillna(False).astype(bool)]
+    if len(solved) < k:
+        raise UserError(f"evaluate.few_shot: {k} needs {k} solved training rows; the train split has {len(solved)} "
+                        "(lower evaluate.few_shot)")
+    return solved.sample(n=k, random_state=seed)
+
+
+def format_few_shot(records: pd.DataFrame, examples: pd.DataFrame, tokenizer, params: FormatParams) -> pd.DataFrame:
+    """`records` formatted as `format_records` does, each prompt preceded by the `examples` as earlier turns of the
+    same chat: their question from the user, their tagged answer from the model (the template closes the turn)."""
+    shots = []
+    for example in examples.to_dict(orient="records"):
+        question = [m for m in conversation(example) if m["role"] != "system"]  # one system prompt: the eval's
+        shots += [*question, {"role": "assistant", "content": render(example["reasoning"], example["answer"])}]
+    formatted = format_records(records, tokenizer, params)
+    prompts = []
+    for record in records.to_dict(orient="records"):
+        messages = _conversation(record, params.system_prompt)
+        system = messages[:1] if messages[0]["role"] == "system" else []
+        prompts.append(render_prompt(system + shots + messages[len(system):], tokenizer, params))
+    return formatted.assign(prompt=prompts)

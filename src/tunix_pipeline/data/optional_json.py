@@ -1,16 +1,25 @@
-"""A JSON report that a later pipeline reads when it is there: `tokenize_report`, which the `plan` pipeline takes
-for the padding of the run's rows, whether or not the tokenize stage has run in this output root."""
+"""Outputs that a later pipeline reads when they are there (a Kedro node cannot take an optional input; these
+inputs are always there, sometimes empty): `tokenize_report`, which the `plan` pipeline takes for the padding of the
+run's rows, and `eval_samples`, the first evaluation's scored rows that a polish stage's evaluation pairs its policy
+against, whether or not those stages have run in this output root."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from kedro_datasets.json import JSONDataset
+from kedro_datasets.pandas import JSONDataset as TableDataset
 
 
 class OptionalJSONDataset(JSONDataset):
-    """kedro-datasets' `json.JSONDataset` that loads as None while its file does not exist (a Kedro node cannot
-    take an optional input; this input is always there, sometimes empty). Saving is unchanged."""
+    """kedro-datasets' `json.JSONDataset` that loads as None while its file does not exist. Saving is unchanged."""
+
+    def load(self) -> Any:
+        return super().load() if self._exists() else None
+
+
+class OptionalTableDataset(TableDataset):
+    """kedro-datasets' `pandas.JSONDataset` that loads as None while its file does not exist. Saving is unchanged."""
 
     def load(self) -> Any:
         return super().load() if self._exists() else None

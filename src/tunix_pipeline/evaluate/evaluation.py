@@ -7,7 +7,8 @@ Every answer is read three ways (`score`), base and tuned given the same prompt 
 - `lenient_accuracy`: GSM8K's flexible rule, the last number in the completion (`answers.last_number`);
 - `format_compliance`: exactly `<reasoning>…</reasoning><answer>…</answer>`, each tag once;
 each with its 95% Wilson interval (`<metric>_ci95`); `paired` sets a tuned model against its parent on the same
-problems (McNemar's exact test, `paired_comparison`). Further metrics:
+problems (McNemar's exact test, `paired_comparison`), `paired_base` and `paired_few_shot` against the base zero-shot
+and shown `evaluate.few_shot` solved examples (`Evaluator.on_prompts`). Further metrics:
 - `answer_exact`: the extracted answer equals the reference (after trimming and removing commas);
 - `missing_answer`: no closed `<answer>…</answer>` (e.g. a model that never closes its tags);
 - `truncated`: generation stopped at `max_new_tokens` without an end-of-turn;
@@ -249,7 +250,7 @@ def score_table(metrics: dict[str, dict]) -> str:
     for label, m in metrics.items():
         problems = (m.get("prompts") or 0) - (m.get("open_ended_prompts") or 0)
         lines.append(f"| {label} | {problems} | " + " | ".join(_with_interval(m, name) for name in READINGS) + " |")
-    paired = [(label, m["paired"]) for label, m in metrics.items() if m.get("paired")]
+    paired = [(label, m[key]) for label, m in metrics.items() for key in PAIRED_KEYS if m.get(key)]
     if paired:
         lines += ["", "| paired test | strict | lenient | format |", "|---|---|---|---|"]
         for label, test in paired:
@@ -258,10 +259,18 @@ def score_table(metrics: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def with_paired(results: dict[str, dict], samples: dict[str, pd.DataFrame], parent: str, model: str) -> None:
-    """Adds `model`'s paired test against `parent` to its metrics (both scored on the same problems)."""
-    if parent in results and model in results and len(samples[model]):
-        results[model]["paired"] = {"against": parent, **paired_comparison(samples[parent], samples[model])}
+# a model's paired tests: against its parent (the base for SFT), against the base zero-shot (a polish stage's), and
+# against the base shown `evaluate.few_shot` solved examples (the base at its best)
+PAIRED_KEYS = ("paired", "paired_base", "paired_few_shot")
+
+
+def with_paired(results: dict[str, dict], samples: dict[str, pd.DataFrame], parent: str, model: str,
+                key: str = "paired", parent_samples: pd.DataFrame | None = None) -> None:
+    """Adds `model`'s paired test against `parent` to its metrics as `key` (both scored on the same problems);
+    `parent_samples`: the parent's, when another evaluation scored it (else `samples[parent]`)."""
+    parent_samples = samples.get(parent) if parent_samples is None else parent_samples
+    if parent_samples is not None and len(parent_samples) and model in results and len(samples[model]):
+        results[model][key] = {"against": parent, **paired_comparison(parent_samples, samples[model])}
 
 
 def markdown_table(metrics: dict[str, dict], delta: tuple[str, str] | None = None) -> str:
@@ -298,6 +307,12 @@ class Evaluator:
         self.held_out, self.too_long, self.prompt_length = select_prompts(eval_formatted, tokenizer, params)
         self.judge = judge
         self._generator: Generator | None = None
+
+    def on_prompts(self, formatted: pd.DataFrame) -> Evaluator:
+        """The same model scored on other prompts for the same problems (`formatted` in the eval split's order: the
+        few-shot ones): generation only, the eval loss being the zero-shot one's."""
+        return Evaluator(self.model, self.tokenizer, self.mesh, self.params, self.eval_tokens.head(0), formatted,
+                         self.loss_batch_size, self.judge, self.decode_weights)
 
     def measure(self, label: str) -> tuple[dict, pd.DataFrame]:
 

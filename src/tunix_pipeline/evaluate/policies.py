@@ -2,11 +2,13 @@
 polish stage against the policy it started from (`evaluate_after`), with the judge and lm-evaluation-harness
 where they are on."""
 
+import functools
 import logging
 
 import pandas as pd
 
 from tunix_pipeline.config import EvaluateParams, ModelParams, RuntimeParams
+from tunix_pipeline.data.formatting import few_shot_label
 from tunix_pipeline.evaluate import evaluation
 from tunix_pipeline.evaluate import harness as harness_lib
 from tunix_pipeline.models import load_run_model, load_tokenizer
@@ -56,6 +58,20 @@ def _with_harness(results: dict, report: str, harness_results: dict, delta: tupl
     return report + "\n" + harness_lib.report(harness_results, delta=delta if set(delta) <= set(labels) else None)
 
 
+def _few_shot(evaluator, eval_few_shot: pd.DataFrame, params: EvaluateParams, base_scored: bool):
+    """The evaluator on the k-shot prompts (`evaluate.few_shot`), or None when no model here is scored on them."""
+    wanted = params.few_shot and (base_scored or params.few_shot_models == "all")
+    return evaluator.on_prompts(eval_few_shot) if wanted else None
+
+
+def _measure(label: str, evaluator, few_shot, results: dict, samples: dict, params: EvaluateParams) -> None:
+    """`label`'s scores, and its k-shot ones beside them where `evaluate.few_shot` applies to it."""
+    results[label], samples[label] = evaluator.measure(label)
+    if few_shot is not None and (label == "base" or params.few_shot_models == "all"):
+        shot = few_shot_label(label, params.few_shot)
+        results[shot], samples[shot] = few_shot.measure(shot)
+
+
 def _empty_split(eval_tokens: pd.DataFrame, eval_formatted: pd.DataFrame) -> bool:
     if len(eval_tokens) or len(eval_formatted):
         return False
@@ -66,13 +82,16 @@ def _empty_split(eval_tokens: pd.DataFrame, eval_formatted: pd.DataFrame) -> boo
 def evaluate_models(
     eval_tokens: pd.DataFrame,
     eval_formatted: pd.DataFrame,
+    eval_few_shot: pd.DataFrame,
     base_model: dict,
     sft_result: dict,
     model: ModelParams,
     params: EvaluateParams,
     runtime: RuntimeParams,
 ):
-    """The same metrics for the base and the fine-tuned model: loss on the eval rows, generation on a few."""
+    """The same metrics for the base and the fine-tuned model: loss on the eval rows, generation on a few; with
+    `evaluate.few_shot`, the base shown k solved examples too (`eval_few_shot`), and the tuned model paired against
+    both."""
     curve = evaluation.training_curves({SFT.name: sft_result.get("history")})
     evaluation.log_figure(curve, "loss_curve.png")
     if _empty_split(eval_tokens, eval_formatted):
@@ -82,18 +101,23 @@ def evaluate_models(
         harness_lib.check(params.harness)  # before any weights load
     network, evaluator = _evaluator(eval_tokens, eval_formatted, base_model, sft_result, model, params, runtime)
     harness = _harness(network, evaluator, base_model, eval_formatted, params)
+    few_shot = _few_shot(evaluator, eval_few_shot, params, base_scored=params.compare_base_model)
     results, samples, harness_results = {}, {}, {}
     if params.compare_base_model:
-        results["base"], samples["base"] = evaluator.measure("base")
+        _measure("base", evaluator, few_shot, results, samples, params)
         if harness:
             harness_results["base"] = harness.measure("base")
     step = restore_required(network, sft_result["checkpoint_dir"], SFT.name, "evaluate", selected_step(sft_result))
-    results["tuned"], samples["tuned"] = evaluator.measure("tuned")
+    _measure("tuned", evaluator, few_shot, results, samples, params)
     results["tuned"]["checkpoint_step"] = step
     if harness:
         harness_results["tuned"] = harness.measure("tuned")
         harness.close()
     evaluation.with_paired(results, samples, "base", "tuned")
+    if few_shot is not None:
+        shot = functools.partial(few_shot_label, k=params.few_shot)
+        evaluation.with_paired(results, samples, shot("base"), "tuned", key="paired_few_shot")
+        evaluation.with_paired(results, samples, shot("base"), shot("tuned"))
     report = "# Evaluation\n\n" + evaluation.score_table(results) + "\n"
     report += evaluation.markdown_table(results, delta=("base", "tuned") if "base" in results else None)
     report += evaluation.open_ended_note(results)
@@ -104,11 +128,14 @@ def evaluate_models(
 def evaluate_after(stage: Stage):
     """The node that measures a polish stage's policy beside the policy it started from (its parent's: SFT's, or
     the preference stage's), both here (one compiled sampler serves both), so the stage's pipeline runs from a
-    checkpoint alone; the base model is in the first evaluation's report."""
+    checkpoint alone; the base model is in the first evaluation's report, and paired against here when its samples
+    (`eval_samples`) are there."""
 
     def evaluate_after_stage(
         eval_tokens: pd.DataFrame,
         eval_formatted: pd.DataFrame,
+        eval_few_shot: pd.DataFrame,
+        eval_samples: pd.DataFrame | None,
         base_model: dict,
         sft_result: dict,
         result: dict,
@@ -120,16 +147,17 @@ def evaluate_after(stage: Stage):
         curve = evaluation.training_curves({SFT.name: sft_result.get("history"), stage.name: result.get("history")},
                                            titles={stage.name: title})
         evaluation.log_figure(curve, f"{stage.name}_curves.png")
-        return (*_after_stage(stage, title, eval_tokens, eval_formatted, base_model, sft_result, result, model,
-                              params, runtime), curve)
+        return (*_after_stage(stage, title, eval_tokens, eval_formatted, eval_few_shot, eval_samples, base_model,
+                              sft_result, result, model, params, runtime), curve)
 
     evaluate_after_stage.__name__ = evaluate_after_stage.__qualname__ = f"evaluate_after_{stage.name}"
     return evaluate_after_stage
 
 
-def _after_stage(stage: Stage, title, eval_tokens, eval_formatted, base_model, sft_result, result, model, params,
-                 runtime):
-    """(metrics, samples, report) of the stage's policy against the policy it started from."""
+def _after_stage(stage: Stage, title, eval_tokens, eval_formatted, eval_few_shot, eval_samples, base_model, sft_result,
+                 result, model, params, runtime):
+    """(metrics, samples, report) of the stage's policy against the policy it started from, and against the base
+    as the first evaluation scored it (`eval_samples`, when that evaluation has run: zero-shot and k-shot)."""
     empty = pd.DataFrame(columns=evaluation.SAMPLE_COLUMNS)
     if result.get("skipped"):
         return ({f"{stage.name}_skipped": True, "skip_reason": result["skip_reason"]}, empty,
@@ -144,13 +172,14 @@ def _after_stage(stage: Stage, title, eval_tokens, eval_formatted, base_model, s
         harness_lib.check(params.harness)  # before any weights load
     network, evaluator = _evaluator(eval_tokens, eval_formatted, base_model, sft_result, model, params, runtime)
     harness = _harness(network, evaluator, base_model, eval_formatted, params)
+    few_shot = _few_shot(evaluator, eval_few_shot, params, base_scored=False)
     start = result["start_stage"]  # the policy it started from, labelled with the stage that trained it
     results, samples, harness_results = {}, {}, {}
     # each at the step handed on: its dev-selected one (`dev_eval`), else the latest
     for label, checkpoint_dir, selected in ((start, result["start_checkpoint_dir"], result.get("start_selected")),
                                             (stage.name, result["checkpoint_dir"], selected_step(result))):
         step = restore_required(network, checkpoint_dir, label, "evaluate", selected)
-        results[label], samples[label] = evaluator.measure(label)
+        _measure(label, evaluator, few_shot, results, samples, params)
         results[label]["checkpoint_step"] = step
         if harness:
             harness_results[label] = harness.measure(label)
@@ -160,6 +189,10 @@ def _after_stage(stage: Stage, title, eval_tokens, eval_formatted, base_model, s
         if after in result:
             results[stage.name][after], results[start][after] = result[after], result[before]
     evaluation.with_paired(results, samples, start, stage.name)
+    if few_shot is not None:  # k-shot against k-shot, where every model is scored both ways
+        shot = functools.partial(few_shot_label, k=params.few_shot)
+        evaluation.with_paired(results, samples, shot(start), shot(stage.name))
+    _paired_against_the_base(results, samples, stage.name, eval_samples, params)
     report = f"# Evaluation after {title}\n\n" + evaluation.score_table(results) + "\n"
     report += evaluation.markdown_table(results, delta=(start, stage.name))
     report += evaluation.open_ended_note(results)
@@ -167,3 +200,15 @@ def _after_stage(stage: Stage, title, eval_tokens, eval_formatted, base_model, s
         report += f"\n{result['evaluation_note']}\n"
     report = _with_harness(results, report, harness_results, (start, stage.name))
     return results, pd.concat(samples.values(), ignore_index=True), report
+
+
+def _paired_against_the_base(results: dict, samples: dict, label: str, eval_samples: pd.DataFrame | None,
+                             params: EvaluateParams) -> None:
+    """A polish stage's policy paired against the base zero-shot and k-shot, from the first evaluation's samples."""
+    if eval_samples is None or not len(eval_samples):
+        return
+    bases = [("base", "paired_base")] + ([(few_shot_label("base", params.few_shot), "paired_few_shot")]
+                                         if params.few_shot else [])
+    for base, key in bases:
+        rows = eval_samples[eval_samples["model"] == base]
+        evaluation.with_paired(results, samples, base, label, key=key, parent_samples=rows)

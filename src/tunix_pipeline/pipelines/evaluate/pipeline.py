@@ -13,6 +13,7 @@ def create_pipeline(**kwargs) -> Pipeline:
                 inputs=[
                     "eval_tokens",
                     "eval_formatted",
+                    "eval_few_shot",
                     "base_model",
                     SFT.result,
                     "params:model",

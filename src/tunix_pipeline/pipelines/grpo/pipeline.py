@@ -22,8 +22,8 @@ def create_pipeline(**kwargs) -> Pipeline:
             Node(
                 evaluate_after(GRPO),
                 inputs=[
-                    "eval_tokens", "eval_formatted", "base_model", SFT.result, GRPO.result, "params:model",
-                    "params:evaluate", "params:runtime",
+                    "eval_tokens", "eval_formatted", "eval_few_shot", "eval_samples", "base_model", SFT.result,
+                    GRPO.result, "params:model", "params:evaluate", "params:runtime",
                 ],
                 outputs=GRPO.eval_outputs(),
                 name=f"evaluate_after_{GRPO.name}",

@@ -32,8 +32,8 @@ def create_pipeline(**kwargs) -> Pipeline:
             Node(
                 evaluate_after(PREFERENCE),
                 inputs=[
-                    "eval_tokens", "eval_formatted", "base_model", SFT.result, PREFERENCE.result,
-                    "params:model", "params:evaluate", "params:runtime",
+                    "eval_tokens", "eval_formatted", "eval_few_shot", "eval_samples", "base_model", SFT.result,
+                    PREFERENCE.result, "params:model", "params:evaluate", "params:runtime",
                 ],
                 outputs=PREFERENCE.eval_outputs(),
                 name=f"evaluate_after_{PREFERENCE.name}",
