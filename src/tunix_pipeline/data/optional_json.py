@@ -23,3 +23,6 @@ class OptionalTableDataset(TableDataset):
 
     def load(self) -> Any:
         return super().load() if self._exists() else None
+
+
+OPTIONAL = (OptionalJSONDataset, OptionalTableDataset)  # what a run may read before any run wrote it
