@@ -1,6 +1,6 @@
 """Continuous batching (`upstream.Sampler.generate_rows`, under `generation.Generator`): each row stops at its own end
-(stop tokens, a stop string such as `</answer>`, its length limit) and its slot takes the next prompt; greedy rows get
-the tokens the sampler's fixed batches give them."""
+(stop tokens, a stop string such as `</answer>`, a block repeated back to back, its length limit) and its slot takes
+the next prompt; greedy rows get the tokens the sampler's fixed batches give them."""
 
 import jax
 import numpy as np
@@ -9,6 +9,7 @@ import pytest
 from tunix_pipeline.config import EvaluateParams, RuntimeParams
 from tunix_pipeline.evaluate import generation
 from tunix_pipeline.upstream.generation import stop_string_table
+from tunix_pipeline.upstream.rows import ends_repeating, repeating
 
 MESH = RuntimeParams(mesh={"fsdp": 4, "tp": 2})
 P, N = 64, 12  # prompt length, new tokens
@@ -95,7 +96,7 @@ def test_a_stop_string_ends_its_row_with_the_token_that_completes_it(lively, tok
                                      eos_tokens=ends, stop_strings=(stop,), refill=2)
         assert [r.tolist() for r in rows] == expected
 
-        params = EvaluateParams(max_new_tokens=N, batch_size=4)
+        params = EvaluateParams(max_new_tokens=N, batch_size=4, stop_repeats=None)
         texts, lengths = generation.Generator(model, tokenizer, params, P, stop_strings=(stop,))(prompts)
     assert lengths == [len(r) for r in expected]
     assert texts == [generation.through_stop(tokenizer.decode(r), (stop,)) for r in expected]
@@ -158,3 +159,44 @@ def test_prompts_must_fit_and_the_cache_hold_two_generations(lively, tokenizer):
     with pytest.raises(ValueError, match="longer than max_prompt_length"):
         generation.make_sampler(model, tokenizer, P + 2 * N).generate_rows(["word " * 200], **args)
     assert sampler.generate_rows([], **args) == []
+
+
+def test_the_repeat_rule_on_the_device_is_the_rule_on_the_finished_row():
+    """`rows.repeating` (in the decode loop, on the whole buffer) fires at the first step whose kept tokens
+    `ends_repeating` says end with a block of 3 to 5 tokens twice back to back, never counting the prompt's tokens."""
+    rng = np.random.default_rng(0)
+    buffer = rng.integers(0, 3, size=(64, 40))  # three words: repeats happen
+    buffer[:, 8:14] = np.tile([7, 8], 3)  # a loop in the prompt (before `first`) is none of the row's own
+    first = np.full(64, 12)
+    fired = np.stack([np.asarray(repeating(buffer, step, first, 3)) for step in range(40)], axis=1)
+    for row in range(64):
+        for step in range(12, 40):
+            assert fired[row, step] == ends_repeating(buffer[row, 12 : step + 1], 3), (row, step)
+        assert not fired[row, :12].any()
+    assert 0 < fired[:, 12:].any(axis=1).sum() < 64
+
+
+def test_a_row_that_repeats_a_block_ends_there_and_the_others_run_on(lively, tiny_model_dir, tokenizer):
+    """`evaluate.stop_repeats`: as built, the tiny model says one word over and over: its rows end (kept) once a
+    block of 4 tokens has come twice, and `Generator.repeated` says so; the lively model's rows, which repeat no block
+    within the limit, are the same with the rule as without it."""
+    from tunix_pipeline.models import load_model
+
+    model, mesh = lively
+    prompts = _prompts(6)
+    never = [tokenizer.pad_token_id]
+    as_built, _ = load_model(tiny_model_dir, mesh, "float32")
+    params = EvaluateParams(max_new_tokens=N, batch_size=4, stop_repeats=4)
+    with mesh:
+        for network, loops in ((as_built, True), (model, False)):
+            full = _run_to_the_limit(network, tokenizer, prompts)
+            cut = [next((k for k in range(1, N + 1) if ends_repeating(row[:k], 4)), N) for row in full]
+            assert all(k < N for k in cut) if loops else all(k == N for k in cut)
+            sampler = generation.make_sampler(network, tokenizer, P + 2 * N)
+            rows = sampler.generate_rows(prompts, batch_size=4, max_prompt_length=P, max_generation_steps=N,
+                                         eos_tokens=never, refill=2, repeats=4)
+            assert [r.tolist() for r in rows] == [row[:k] for row, k in zip(full, cut)]
+            generator = generation.Generator(network, tokenizer, params, P)
+            _, lengths = generator(prompts)
+            assert generator.repeated == [loops] * len(prompts)
+            assert all(n <= k for n, k in zip(lengths, cut))  # a stop token may come first

@@ -149,7 +149,8 @@ def test_models_are_scored_on_the_test_split_when_there_is_one():
 def test_score_one_sample_per_prompt():
     params = EvaluateParams(max_new_tokens=10)
     generated = [_gen("7") + "<end_of_turn>", _gen("8.0"), _gen("5", closed=False), "no tags at all"]
-    metrics, samples = score("tuned", _formatted(["7", "8", "5", "6"]), generated, params, [5, 6, 10, 3])
+    metrics, samples = score("tuned", _formatted(["7", "8", "5", "6"]), generated, params, [5, 6, 10, 3],
+                             repeated=[False, False, False, True])
     assert metrics["prompts"] == metrics["samples"] == 4
     assert metrics["answer_accuracy"] == 0.5  # 7, 8.0
     assert metrics["answer_exact"] == 0.25  # only 7
@@ -157,6 +158,7 @@ def test_score_one_sample_per_prompt():
     assert metrics["missing_answer"] == 0.5  # unclosed, no tags
     assert metrics["truncated"] == 0.25  # 10 tokens = max_new_tokens
     assert metrics["mean_completion_tokens"] == 6.0
+    assert metrics["repeated"] == 0.25 and samples["repeated"].tolist() == [False, False, False, True]  # a loop cut
     assert "pass@1" not in metrics
     assert samples["generated"][0] == _gen("7")  # end-of-turn removed
     assert samples["reference"].map(type).eq(str).all() and list(samples.columns) == evaluation.SAMPLE_COLUMNS

@@ -48,6 +48,9 @@ class EvaluateParams(Strict):
     # generating: a CPU run measures it on the first rows only
     loss_rows: int | None = Field(None, gt=0, description="eval token rows the eval loss covers; null: all")
     max_new_tokens: int = Field(48, gt=0)
+    # a row ends once a block of this many to twice as many of its tokens has come twice back to back (kept): a
+    # greedy model in a loop does not leave it, and its row would run to max_new_tokens; null: off
+    stop_repeats: int | None = Field(16, ge=2, description="tokens in the shortest repeated block that ends a row")
     # prompts longer than this (in tokens) are skipped and counted; null: room for the longest one
     max_prompt_length: int | None = Field(None, gt=0)
     batch_size: int = Field(8, gt=0, description="sequences per generation call (prompts x samples)")

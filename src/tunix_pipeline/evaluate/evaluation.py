@@ -12,6 +12,7 @@ and shown `evaluate.few_shot` solved examples (`Evaluator.on_prompts`). Further 
 - `answer_exact`: the extracted answer equals the reference (after trimming and removing commas);
 - `missing_answer`: no closed `<answer>…</answer>` (e.g. a model that never closes its tags);
 - `truncated`: generation stopped at `max_new_tokens` without an end-of-turn;
+- `repeated`: generation stopped because a block of `stop_repeats` or more tokens came twice back to back (a loop);
 - `mean_completion_tokens` / `mean_completion_chars`;
 - with several samples per prompt: `pass@k` (some sample right) and `majority@k`
   (the most common extracted answer is right); accuracies are then over all samples (pass@1);
@@ -49,6 +50,7 @@ from tunix_pipeline.train.loss import model_inputs, token_nll
 SAMPLE_COLUMNS = [
     "model", "id", "sample", "prompt", "reference", "open_ended", "generated", "extracted",
     "correct", "exact", "lenient", "lenient_correct", "well_formed", "judge_score", "completion_tokens", "truncated",
+    "repeated",
 ]
 # the three readings of an answer: each gets an interval, and a tuned model's paired test against its parent
 READINGS = {"answer_accuracy": "correct", "lenient_accuracy": "lenient_correct", "format_compliance": "well_formed"}
@@ -112,9 +114,11 @@ def score(
     params: EvaluateParams,
     completion_tokens: list[int] | None = None,
     judged=None,
+    repeated: list[bool] | None = None,
 ) -> tuple[dict, pd.DataFrame]:
     """Metrics and one sample row per generation; `generated` holds `num_samples` consecutive texts per prompt;
-    `judged`: the judge's result for them (`judge_generations`), or None."""
+    `judged`: the judge's result for them (`judge_generations`), or None; `repeated`: which ended repeating a block
+    (`evaluate.stop_repeats`)."""
     k = params.num_samples
     records = formatted.to_dict(orient="records")
     if len(generated) != len(records) * k:
@@ -123,6 +127,8 @@ def score(
     completion_tokens = completion_tokens if have_tokens else [None] * len(generated)
     rows = [_sample(label, records[j // k], j % k, text, n_tokens, params)
             for j, (text, n_tokens) in enumerate(zip(generated, completion_tokens))]
+    for row, cut in zip(rows, repeated or []):
+        row["repeated"] = bool(cut)
     if judged is not None:
         for row, value in zip(rows, judged.values):
             row["judge_score"] = float(value)
@@ -140,6 +146,7 @@ def score(
         "answer_exact": _mean(r["exact"] for r in answered),
         "missing_answer": _mean(r["extracted"] is None for r in answered),
         "truncated": _mean(r["truncated"] for r in rows) if have_tokens else None,
+        "repeated": _mean(r["repeated"] for r in rows) if repeated else None,
         "mean_completion_tokens": _mean(r["completion_tokens"] for r in rows) if have_tokens else None,
         "mean_completion_chars": _mean(len(r["generated"]) for r in rows),
     }
@@ -173,6 +180,7 @@ def _sample(label: str, record: dict, sample: int, text, n_tokens: int | None, p
         "judge_score": None,
         "completion_tokens": n_tokens,
         "truncated": n_tokens is not None and n_tokens >= params.max_new_tokens,
+        "repeated": False,
     }
 
 
@@ -321,16 +329,17 @@ class Evaluator:
             loss = evaluate_loss(self.model, self.eval_tokens, self.loss_batch_size, self.mesh)
             metrics = {f"eval_{k}": v for k, v in loss.items()}
         prompts = self.held_out["prompt"].tolist()
-        texts, lengths, judged = [], [], None
+        texts, lengths, judged, repeated = [], [], None, None
         if prompts:
             if self._generator is None:
                 self._generator = Generator(self.model, self.tokenizer, self.params, self.prompt_length,
                                             self.decode_weights)
             with self.mesh:
                 texts, lengths = self._generator(prompts)
+            repeated = self._generator.repeated if self.params.stop_repeats else None
             if self.judge is not None:
                 judged = judge_generations(self.judge, self.held_out, texts, self.params.num_samples)
-        scores, samples = score(label, self.held_out, texts, self.params, lengths, judged)
+        scores, samples = score(label, self.held_out, texts, self.params, lengths, judged, repeated)
         return {**metrics, **scores, "prompts_too_long": self.too_long}, samples
 
 

@@ -4,7 +4,8 @@
   for evaluation and pairs, start of turn: a model that opens a new turn has closed its own);
 - `prompt_lengths`: prompts counted in tokens as the sampler counts them, so a length limit means what it says;
 - `make_sampler` / `sampling_args` / `Generator`: the sampler (`upstream.Sampler`), its arguments, and continuous
-  batching over it (each row stops at its own end, its slot takes the next prompt);
+  batching over it (each row stops at its own end, or once it repeats itself: `evaluate.stop_repeats`, and its
+  slot takes the next prompt);
 - `scored_split`: the eval rows models are scored on (the test split when there is one);
 - `fitting_prompts` / `select_prompts`: the prompts that fit a stage's `max_prompt_length` (the rest skipped,
   counted and logged under that stage's setting), and the prompt length the sampler's cache is sized for.
@@ -21,6 +22,7 @@ import pandas as pd
 from tunix_pipeline.config import EvaluateParams
 from tunix_pipeline.data.answers import GEMMA_END_OF_TURN, TAGS
 from tunix_pipeline.run.progress import Progress
+from tunix_pipeline.upstream.rows import ends_repeating
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +98,8 @@ class Generator:
     """Continuous batching over our sampler (`upstream.Sampler.generate_rows`): `batch_size` slots; a row stops at
     `end_tokens` with a new turn (not kept), at the closing answer tag (kept: the scorer reads the closed tag; what
     follows is never generated) or at `max_new_tokens`, and its slot takes the next prompt, so no row waits for a
-    looping one. `decode_weights`: `gathers_weights`'."""
+    looping one; a row that repeats a block back to back ends there (`evaluate.stop_repeats`; `repeated`: which rows
+    of the last call did). `decode_weights`: `gathers_weights`'."""
 
     def __init__(self, model, tokenizer, params: EvaluateParams, prompt_length: int, decode_weights: str = "sharded",
                  stop_strings: tuple[str, ...] = (TAGS[3],)):
@@ -104,6 +107,7 @@ class Generator:
         self.prompt_length = prompt_length
         self.stop = end_tokens(tokenizer, new_turn=True)
         self.stop_strings = tuple(stop_strings)
+        self.repeated: list[bool] = []
         # rows share one cache write index: the oldest row's prompt stays behind it, the newest row's tokens ahead
         cache = prompt_length + 2 * params.max_new_tokens
         self.sampler = make_sampler(model, tokenizer, cache, params.num_samples, gathers_weights(decode_weights, model))
@@ -126,9 +130,11 @@ class Generator:
         rows = self.sampler.generate_rows(
             expanded, batch_size=p.batch_size, max_prompt_length=self.prompt_length,
             max_generation_steps=p.max_new_tokens, eos_tokens=self.stop, stop_strings=self.stop_strings, refill=refill,
-            seed=p.seed if sampling else None, progress=progress, **sampling,
+            seed=p.seed if sampling else None, repeats=p.stop_repeats, progress=progress, **sampling,
         )
         report.close()
+        self.repeated = [bool(p.stop_repeats) and len(r) < p.max_new_tokens and ends_repeating(r, p.stop_repeats)
+                         for r in rows]
         texts = [through_stop(self.sampler.tokenizer.decode(r.tolist()), self.stop_strings) for r in rows]
         return texts, [len(r) for r in rows]
 

@@ -42,6 +42,7 @@ def pairs_from_rewards(model, tokenizer, formatted: pd.DataFrame, params: Prefer
     sampling = EvaluateParams(
         num_prompts=len(rows), max_new_tokens=spec.max_new_tokens, batch_size=spec.batch_size,
         temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, num_samples=spec.num_samples, seed=spec.seed,
+        stop_repeats=None,  # a row that ran short closed its turn (the pair's text says so): none is cut by the rule
     )
     with mesh:
         texts, lengths = Generator(model, tokenizer, sampling, params.max_prompt_length,

@@ -18,7 +18,7 @@ from tunix.generate import utils as sampler_utils
 
 from tunix_pipeline.evaluate.sampling import sample_inverse_cdf
 from tunix_pipeline.run.runtime import without_batch_axes
-from tunix_pipeline.upstream.rows import Rows, map_cache, prefill_length, stop_string_table
+from tunix_pipeline.upstream.rows import Rows, map_cache, prefill_length, repeating, stop_string_table
 
 
 # ---------------------------------------------------------------- generation: the sampler's prefill and token choice
@@ -50,8 +50,8 @@ class Sampler(sampler_lib.Sampler):
         jit = functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("echo",))
         self._prefills = {g: jit(functools.partial(self._last_token_prefill, group=g)) for g in {1, group_size}}
         self._label_logprobs = jax.jit(self._next_token_logprobs)
-        self._decode_rows = jax.jit(self._decode_rows_fn, donate_argnums=(1,), static_argnames=("max_new",))
-        self._admit_rows = jax.jit(self._admit_rows_fn, donate_argnums=(0,), static_argnames=("max_new",))
+        self._decode_rows = jax.jit(self._decode_rows_fn, donate_argnums=(1,), static_argnames=("max_new", "repeats"))
+        self._admit_rows = jax.jit(self._admit_rows_fn, donate_argnums=(0,), static_argnames=("max_new", "repeats"))
         self._shift_rows = jax.jit(self._shift_rows_fn, donate_argnums=(0,))
         self._compact_rows = jax.jit(self._compact_rows_fn)
         self._stop_tables: dict[tuple[str, ...], tuple] = {}
@@ -166,10 +166,13 @@ class Sampler(sampler_lib.Sampler):
     def generate_rows(self, prompts, *, batch_size: int, max_prompt_length: int, max_generation_steps: int, eos_tokens,
                       stop_strings: tuple[str, ...] = (), refill: int | None = None, temperature: float = 0.0,
                       top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
+                      repeats: int | None = None,
                       progress: Callable[[int, int], None] | None = None) -> list[np.ndarray]:
         """Each prompt's completion tokens, in order, by continuous batching over `batch_size` slots: a row ends at
-        one of `eos_tokens` (not kept), at the end of one of `stop_strings` (kept) or after `max_generation_steps`
-        tokens, and its slot takes the next prompt (`refill` at a time); `progress(rows finished, their tokens)`.
+        one of `eos_tokens` (not kept), at the end of one of `stop_strings` (kept), once a block of `repeats` to
+        2 x `repeats` - 1 of its tokens has come twice back to back (kept; `rows.repeating`; None: never) or after
+        `max_generation_steps` tokens, and its slot takes the next prompt (`refill` at a time); `progress(rows
+        finished, their tokens)`.
         How, and what it compiles: docs/upstream_tunix.md, "The sampler's batch decodes until its slowest row ends"."""
         tokens = [self.tokenize(x) for x in prompts]
         if not tokens:
@@ -215,7 +218,8 @@ class Sampler(sampler_lib.Sampler):
                     chunk = [tokens[i] for i in picked] + [tokens[picked[-1]]] * (R - take)  # one shape
                     state = self._prefilled(params, chunk, P, lambda *a: fresh(*a, 1, refills))
                     slots = np.array(free[:take] + [B] * (R - take))  # B: out of range, dropped
-                    rows = self._admit_rows(rows, state, jnp.asarray(slots, jnp.int32), eos, tables, max_new=N)
+                    rows = self._admit_rows(rows, state, jnp.asarray(slots, jnp.int32), eos, tables, max_new=N,
+                                            repeats=repeats)
                     owner[slots[:take]], first[slots[:take]] = picked, t
                     queued, free, refills = queued + take, free[take:], refills + 1
                 live = owner >= 0
@@ -227,7 +231,8 @@ class Sampler(sampler_lib.Sampler):
                 else:
                     exit_at = min(R, len(tokens) - queued)
                 state = dataclasses.replace(rows.state, seed=jax.random.fold_in(jax.random.fold_in(key, 2), decodes))
-                rows = self._decode_rows(params, rows._replace(state=state), jnp.int32(exit_at), eos, tables, max_new=N)
+                rows = self._decode_rows(params, rows._replace(state=state), jnp.int32(exit_at), eos, tables, max_new=N,
+                                         repeats=repeats)
                 decodes += 1
 
     def _prefilled(self, params, chunk: list, limit: int, fresh):
@@ -272,7 +277,7 @@ class Sampler(sampler_lib.Sampler):
         zeros = np.zeros(batch, np.int32)  # two buffers: the decode loop donates each
         return Rows(state, jnp.asarray(zeros), jnp.asarray(zeros), jnp.zeros((batch, stops), jnp.int32))
 
-    def _finish(self, rows: Rows, before, eos, tables, max_new: int) -> Rows:
+    def _finish(self, rows: Rows, before, eos, tables, max_new: int, repeats: int | None) -> Rows:
         """Which rows end with the token just chosen (at the decode step's index), and where their kept tokens end;
         `before`: the rows that had ended already."""
         state = rows.state
@@ -285,31 +290,33 @@ class Sampler(sampler_lib.Sampler):
         whole = jnp.asarray([table.shape[1] for table in tables], jnp.int32)
         stopped = jnp.any(matched == whole, axis=1)
         at_eos = jnp.isin(token, eos)
+        if repeats:
+            stopped = stopped | repeating(state.token_buffer, step, rows.first, repeats)
         ends = ~before & (at_eos | stopped | (step - rows.first >= max_new - 1))
         end = jnp.where(ends, jnp.where(at_eos, step, step + 1), rows.end)
         return Rows(dataclasses.replace(state, done=before | ends), rows.first, end, matched)
 
-    def _decode_rows_fn(self, params, rows: Rows, exit_at, eos, tables, *, max_new: int) -> Rows:
+    def _decode_rows_fn(self, params, rows: Rows, exit_at, eos, tables, *, max_new: int, repeats: int | None) -> Rows:
         """Tunix's decode step in a loop on the device, until `exit_at` slots hold ended rows."""
         last = rows.state.token_buffer.shape[1] - 1
 
         def step(rows):
             before = rows.state.done
             return self._finish(rows._replace(state=self._sample_step(params, rows.state)), before, eos, tables,
-                                max_new)
+                                max_new, repeats)
 
         def more(rows):
             return (rows.state.decoding_step < last) & (jnp.sum(rows.state.done) < exit_at)
 
         return jax.lax.while_loop(more, step, rows)
 
-    def _admit_rows_fn(self, rows: Rows, fresh, slots, eos, tables, *, max_new: int) -> Rows:
+    def _admit_rows_fn(self, rows: Rows, fresh, slots, eos, tables, *, max_new: int, repeats: int | None) -> Rows:
         """`fresh` (prefilled prompt rows in a cache as long as their prompt, their first token chosen) into `slots` of
         `rows`, placed along the buffers and cache so that their first new token sits at the shared decode step."""
         count, length = fresh.token_buffer.shape[0], fresh.token_buffer.shape[1] - 1
         new = self._finish(Rows(fresh, jnp.full(count, length, jnp.int32), jnp.zeros(count, jnp.int32),
                                 jnp.zeros((count, rows.matched.shape[1]), jnp.int32)), jnp.zeros(count, bool), eos,
-                           tables, max_new)
+                           tables, max_new, repeats)
         state, step = rows.state, rows.state.decoding_step
         offset = step - length
 

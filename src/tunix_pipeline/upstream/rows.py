@@ -1,11 +1,13 @@
 """Continuous batching's state and its pure helpers (`Sampler.generate_rows` in `upstream/generation.py`): the
-slots' state, Tunix's KV cache mapped slot by slot, the bucketed prefill lengths and the stop-string matcher."""
+slots' state, Tunix's KV cache mapped slot by slot, the bucketed prefill lengths, the stop-string matcher and the
+repeat rule."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tunix.generate import sampler as sampler_lib
 
@@ -58,3 +60,23 @@ def stop_string_table(texts: list[str], stop: str) -> np.ndarray:
             table[token, q] = n if stop in joined else next(k for k in range(min(n - 1, len(joined)), -1, -1)
                                                             if joined.endswith(stop[:k]))
     return table
+
+
+def repeating(buffer, step, first, block: int) -> jax.Array:
+    """Rows whose newest tokens repeat themselves: for some length L from `block` to 2 x `block` - 1, the L tokens
+    through buffer index `step` equal the L before them, all 2 L the row's own new tokens (from index `first`). A loop
+    of any period under 2 x `block` is caught (a multiple of a shorter period lies in that range) once it has gone
+    round twice; greedy decoding in a loop does not leave it."""
+    back = step - jnp.arange(4 * block - 2)  # buffer indices, newest first
+    tokens = jnp.take(buffer, jnp.maximum(back, 0), axis=1)
+    found = jnp.zeros(buffer.shape[0], bool)
+    for length in range(block, 2 * block):
+        same = jnp.all(tokens[:, :length] == tokens[:, length : 2 * length], axis=1)
+        found |= same & (back[2 * length - 1] >= first)
+    return found
+
+
+def ends_repeating(tokens, block: int) -> bool:
+    """`repeating` on one finished row's kept tokens: does it end with a block repeated back to back?"""
+    tokens = np.asarray(tokens)
+    return any(len(tokens) >= 2 * n and np.array_equal(tokens[-n:], tokens[-2 * n : -n]) for n in range(block, 2 * block))
