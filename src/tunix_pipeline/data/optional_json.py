@@ -11,18 +11,17 @@ from kedro_datasets.json import JSONDataset
 from kedro_datasets.pandas import JSONDataset as TableDataset
 
 
-class OptionalJSONDataset(JSONDataset):
-    """kedro-datasets' `json.JSONDataset` that loads as None while its file does not exist. Saving is unchanged."""
+class NoneWhileMissing:
+    """A kedro-datasets dataset that loads as None while its file does not exist (saving is unchanged): what a run
+    may read before any run wrote it."""
 
     def load(self) -> Any:
         return super().load() if self._exists() else None
 
 
-class OptionalTableDataset(TableDataset):
-    """kedro-datasets' `pandas.JSONDataset` that loads as None while its file does not exist. Saving is unchanged."""
-
-    def load(self) -> Any:
-        return super().load() if self._exists() else None
+class OptionalJSONDataset(NoneWhileMissing, JSONDataset):
+    """`json.JSONDataset`, None while missing."""
 
 
-OPTIONAL = (OptionalJSONDataset, OptionalTableDataset)  # what a run may read before any run wrote it
+class OptionalTableDataset(NoneWhileMissing, TableDataset):
+    """`pandas.JSONDataset`, None while missing."""

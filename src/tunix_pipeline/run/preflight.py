@@ -152,11 +152,11 @@ class MissingInputError(UserError, FileNotFoundError):
 def check_inputs_written(pipeline, catalog, pipelines: dict) -> None:
     """Every dataset the run reads but does not write (`kedro run --pipelines=sft` reads the tokenized rows) is
     on disk: else one line names it and the pipeline that writes it, before any node runs. A dataset that loads
-    as None while missing (`optional_json.OPTIONAL`) is never missing."""
-    from tunix_pipeline.data.optional_json import OPTIONAL
+    as None while missing (`optional_json.NoneWhileMissing`) is never missing."""
+    from tunix_pipeline.data.optional_json import NoneWhileMissing
 
     missing = [name for name in sorted(pipeline.inputs()) if not name.startswith("params:") and name != "parameters"
-               and name in catalog and not isinstance(catalog.get(name), OPTIONAL) and not catalog.exists(name)]
+               and name in catalog and not isinstance(catalog.get(name), NoneWhileMissing) and not catalog.exists(name)]
     if not missing:
         return
     # each one's smallest registered pipeline that writes it: the stage's own package
