@@ -161,6 +161,23 @@ def test_prompts_must_fit_and_the_cache_hold_two_generations(lively, tokenizer):
     assert sampler.generate_rows([], **args) == []
 
 
+def test_sampler_states_compare_by_structure_inside_a_trace(lively, tokenizer):
+    """Jit caches key on the sampler state's structure, and a key may be compared while another function is traced
+    (an entry dropped then): the state's static prompt length is a plain int there, not an array whose comparison
+    would be traced (Tunix's own state fails this)."""
+    import jax.numpy as jnp
+
+    sampler = generation.make_sampler(lively[0], tokenizer, P + N)
+
+    def structure():
+        return jax.tree.structure(sampler.init_sample_state(
+            jnp.ones((2, P), jnp.int32), total_sampling_steps=P + N, include_logits=False, forbidden_token_ids=None,
+            temperature=0.0, top_p=None, top_k=None, seed=jax.random.PRNGKey(0), beam_size=None))
+
+    first, second = structure(), structure()
+    assert int(jax.jit(lambda x: x + (first == second))(0)) == 1
+
+
 def test_the_repeat_rule_on_the_device_is_the_rule_on_the_finished_row():
     """`rows.repeating` (in the decode loop, on the whole buffer) fires at the first step whose kept tokens
     `ends_repeating` says end with a block of 3 to 5 tokens twice back to back, never counting the prompt's tokens."""

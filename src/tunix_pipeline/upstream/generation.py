@@ -77,6 +77,13 @@ class Sampler(sampler_lib.Sampler):
         finally:
             self._flattened_transformer_state = sharded
 
+    def init_sample_state(self, *args, **kwargs):
+        # Tunix keeps the padded prompt length, a static (metadata) field of its state, as a jax array. Jit caches
+        # keyed on the state's structure then compare arrays, and such a comparison made while another function is
+        # traced (a cache entry dropped then) is a traced boolean and fails; a Python int compares plainly.
+        state = super().init_sample_state(*args, **kwargs)
+        return dataclasses.replace(state, num_input_tokens=int(state.num_input_tokens))
+
     def tokenize(self, prompt):
         return super().tokenize(prompt) if isinstance(prompt, str) else np.asarray(prompt, dtype=np.int32)
 
@@ -107,7 +114,7 @@ class Sampler(sampler_lib.Sampler):
         """(the last prompt position's logits, one row per group of `group` copies; the cache holding each group's
         prompt): the prompt but its last token fills the cache, the last token is a decode step."""
         batch = sampler_state.token_buffer.shape[0]
-        length = int(np.asarray(sampler_state.num_input_tokens))  # static: the padded prompt length
+        length = sampler_state.num_input_tokens  # static: the padded prompt length
 
         def firsts(x):  # one row per group
             return x[::group] if getattr(x, "ndim", 0) and x.shape[0] == batch else x
@@ -126,7 +133,7 @@ class Sampler(sampler_lib.Sampler):
     def _last_token_prefill(self, params, sampler_state, images=None, echo: bool = False, *, group: int):
         if images is not None or echo or sampler_state.sampling_mode == "beam_search":
             return self._prefill_fn(params, sampler_state, images, echo)
-        length = int(np.asarray(sampler_state.num_input_tokens))
+        length = sampler_state.num_input_tokens
         logits, cache = self._prefill_logits(params, sampler_state, group)
         if group > 1:
             logits = jnp.repeat(logits, group, axis=0)
