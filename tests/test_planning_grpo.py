@@ -86,7 +86,7 @@ def _markdown(plan):
 def test_a_phase_that_does_not_fit_or_a_short_session_is_a_warning():
     big = _plan(batch_size=64, num_generations=8, max_completion_length=2048)
     assert not big.polish["grpo"]["selected"]["fits"] and big.status in ("risky", "over")
-    assert any("GRPO's" in w and "lower grpo.batch_size" in w for w in big.warnings)
+    assert any("GRPO's update needs" in w and "lower grpo.micro_batch_size" in w for w in big.warnings)
     slow = _plan(max_steps=100_000)
     assert slow.polish["grpo"]["selected"]["within_session"] is False
     assert any("over its 9 h session" in w for w in slow.warnings)
@@ -257,3 +257,38 @@ def test_tpu_fulls_grpo_update_is_estimated_within_10_percent_of_xla_tpu():
     print(f"tpu_full's GRPO update: XLA:TPU {compiled['peak'] / GIB:.2f} GiB per chip, estimate "
           f"{estimate / compiled['peak'] - 1:+.1%}, compiled in {compiled['seconds']:.0f} s")
     assert abs(estimate / compiled["peak"] - 1) < 0.10
+
+
+def test_on_this_cpu_grpo_is_compiled_and_the_sft_preflight_stops_a_run_it_cannot_fit(tiny_model_dir):
+    """Planned for the CPU it runs on, GRPO's two programs are XLA:CPU's own (the very programs of the run); the sft
+    preflight plans its session's GRPO stage and stops before any training when a phase cannot fit, in one line
+    naming the setting to lower."""
+    import pandas as pd
+
+    from tunix_pipeline.pipelines.sft.nodes import check_sft_fits
+    from tunix_pipeline.planning import DoesNotFit
+
+    model = ModelParams(source=str(tiny_model_dir))
+    sft = SftParams(max_steps=10, per_device_batch_size=1, learning_rate=1e-4, checkpoint_every=5)
+    grpo = GrpoParams(enabled=True, max_steps=2, batch_size=8, num_generations=4, max_prompt_length=64,
+                      max_completion_length=64, checkpoint_every=1)
+    rows = pd.DataFrame({"input_tokens": [[1] * 128] * 8})
+
+    def preflight(memory_gib: float):
+        host = {"kind": "cpu", "devices": 8, "memory_gib": memory_gib, "peak_tflops": 0.02}
+        plan = PlanParams(**{**BASE, "hardware": "host", "profiles": {**BASE["profiles"], "host": host}})
+        return check_sft_fits({"path": str(tiny_model_dir)}, rows, None, model, sft, RuntimeParams(),
+                              TokenizeParams(max_length=128), plan, grpo=grpo)
+
+    _, summary = preflight(1.0)
+    g = summary["grpo"]["selected"]
+    assert g["fits"] and g["update_from"] == g["generation_from"] == "XLA:CPU"
+    x = summary["grpo"]["xla_check"]
+    assert x["topology"] == "this CPU" and x["update"]["xla_gib"] > 0 and x["generation"]["xla_gib"] > 0
+    usable = g["usable_memory_gib"]
+    # between the larger phase and SFT's own peak: SFT fits, GRPO does not
+    memory = (max(g["update_gib"], g["generation_gib"]) + summary["memory_per_device_gib"]) / 2 / usable
+    assert summary["memory_per_device_gib"] < max(g["update_gib"], g["generation_gib"])
+    with pytest.raises(DoesNotFit, match=r"^GRPO's (update|generation) needs .* GiB per device on host \(XLA:CPU; "
+                                         r"of .* usable\): lower grpo\..*; stopped before SFT, nothing trained$"):
+        preflight(memory)

@@ -97,7 +97,7 @@ class XlaCheckParams(Strict):
     # periods) and extrapolated; null: every layer
     max_layers: int | None = Field(4, gt=0)
     timeout_seconds: int = Field(900, gt=0)
-    grpo: bool = True  # also compile GRPO's decode step and policy update (XLA:TPU only) when GRPO is planned
+    grpo: bool = True  # also compile GRPO's decode step and policy update (XLA:TPU, or this CPU's XLA) when GRPO is planned
 
 
 class PlanParams(Strict):

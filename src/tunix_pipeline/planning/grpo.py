@@ -22,7 +22,8 @@ A step of Tunix's GRPOLearner (our `train/grpo.py`, vanilla rollout, the actor's
 
 The reference (`loop.frozen_copy`) shares the actor's arrays until the actor changes them: a
 whole copy of the weights with full fine-tuning, only the adapters with LoRA.
-`planning.grpo_xla` compiles both phases for a TPU topology; the plan then uses those figures.
+`planning.grpo_xla` compiles both phases for a TPU topology, or for this CPU when the run is planned on it; the plan
+then uses those figures.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, sessio
     prefill_logits = seqs * prompt * arch.vocab_size * 4
     update = m.peak + reference + shared
     gen_x, upd_x = (compiled or {}).get("generation") or {}, (compiled or {}).get("update") or {}
+    compiler = (compiled or {}).get("compiler", "XLA:TPU")
     if "xla_gib" in gen_x:
         decode = gen_x["xla_gib"] * GIB
     generation = decode + prefill_logits + m.optimizer + reference + shared
@@ -94,9 +96,9 @@ def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, sessio
         "micro_batches": setup.grad_accum,
         "sequence_length": length,
         "generation_gib": round(generation / GIB, 3),
-        "generation_from": "XLA:TPU" if "xla_gib" in gen_x else "estimate",
+        "generation_from": compiler if "xla_gib" in gen_x else "estimate",
         "update_gib": round(update / GIB, 3),
-        "update_from": "XLA:TPU" if "xla_gib" in upd_x else "estimate",
+        "update_from": compiler if "xla_gib" in upd_x else "estimate",
         "kv_cache_gib": round(kv / GIB, 3),
         "reference_gib": round(reference / GIB, 3),
         "usable_memory_gib": round(row.usable_bytes / GIB, 3),
@@ -106,7 +108,7 @@ def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, sessio
         "generation_seconds": None if decode_seconds is None else prefill_seconds + decode_seconds,
         "update_seconds": logps_seconds + update_seconds,
         "update_flops": update_flops,
-        "update_flops_from": "XLA:TPU" if upd_x.get("flops_per_device") else "estimate",
+        "update_flops_from": compiler if upd_x.get("flops_per_device") else "estimate",
         "rollout_batches": math.ceil(grpo.max_steps / grpo.num_iterations),
         "quoted_estimate": hw.quoted_grpo_estimate or None,
         "step_seconds": None, "samples_per_hour": None, "hours": None, "within_session": None, "cost": None,
@@ -169,12 +171,7 @@ def add_grpo(plan: Plan, grpo: GrpoParams, params: PlanParams, session_hours: fl
     }
     hw, warned = plan.selected.profile, len(plan.warnings)
     if not selected["fits"]:
-        phase = "generation" if selected["generation_gib"] >= selected["update_gib"] else "update"
-        plan.warnings.append(
-            f"GRPO's {phase} needs {selected[phase + '_gib']:.2f} GiB per device on {hw} (of "
-            f"{selected['usable_memory_gib']:.2f} usable): lower grpo.batch_size, num_generations or "
-            "max_completion_length"
-        )
+        plan.warnings.append(_over(selected, hw))
     elif selected["within_session"] is False:
         plan.warnings.append(
             f"GRPO's {grpo.max_steps} steps take {selected['hours']:.1f} h on {hw}, over its "
@@ -183,6 +180,20 @@ def add_grpo(plan: Plan, grpo: GrpoParams, params: PlanParams, session_hours: fl
     if len(plan.warnings) > warned and plan.status == "ok":  # GRPO's own warnings (the padding one is about time)
         plan.status = "risky"
     return plan
+
+
+def _over(s: dict, hw: str) -> str:
+    """GRPO's larger phase on `hw` (`s`: its row) against the usable memory, and what lowers it."""
+    phase = "generation" if s["generation_gib"] >= s["update_gib"] else "update"
+    fix = ("lower grpo.micro_batch_size (the update a few prompts at a time) or max_completion_length" if phase == "update"
+           else "lower grpo.batch_size, num_generations or max_completion_length")
+    return (f"GRPO's {phase} needs {s[phase + '_gib']:.2f} GiB per device on {hw} ({s[phase + '_from']}; of "
+            f"{s['usable_memory_gib']:.2f} usable): {fix}")
+
+
+def refusal(plan: Plan) -> str:
+    """Why this session's GRPO stage cannot fit the selected profile: the sft preflight's stop, before any training."""
+    return f"{_over(plan.polish[GRPO.name]['selected'], plan.selected.profile)}; stopped before SFT, nothing trained"
 
 
 def _profile(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, session_hours: float | None,
@@ -267,15 +278,15 @@ def markdown_section(plan: Plan) -> list[str]:
 
 
 def xla_lines(x: dict) -> list[str]:
-    out = []
+    out, compiler = [], x.get("compiler", "XLA:TPU")
     for phase, what in (("generation", "one decode step with the KV cache"),
                         ("update", "the policy update (GRPO loss on the reference's log-probabilities)")):
         r = x.get(phase) or {}
         if r.get("out_of_memory"):
-            out.append(f"- {phase}: **XLA:TPU refuses {what} for {x['topology']}: it needs more than the chip's "
+            out.append(f"- {phase}: **{compiler} refuses {what} for {x['topology']}: it needs more than the chip's "
                        f"memory** ({r['error']})")
         elif "xla_gib" in r:
-            out.append(f"- {phase}: {what} compiled by XLA:TPU for {x['topology']} ({r['method']}) in "
+            out.append(f"- {phase}: {what} compiled by {compiler} for {x['topology']} ({r['method']}) in "
                        f"{r['seconds']:.0f} s: {size(r['xla_gib'] * GIB)} per chip, "
                        f"{r['flops_per_device'] / 1e12:,.3g} TFLOP"
                        + (f" and {r['bytes_accessed_per_device'] / 1e9:,.3g} GB accessed"
@@ -283,7 +294,7 @@ def xla_lines(x: dict) -> list[str]:
                        + " per chip; the estimate of that program: "
                        f"{size(r['estimate_gib'] * GIB)} ({r['difference']:+.0%})")
         elif r.get("does_not_compile"):
-            out.append(f"- {phase}: **does not compile for {x['topology']} (XLA:TPU):** {r['error']}")
+            out.append(f"- {phase}: **does not compile for {x['topology']} ({compiler}):** {r['error']}")
         elif r.get("error"):
             out.append(f"- {phase}: not compiled: {r['error']}")
-    return ["Checked against XLA:TPU (abstract shapes, no weights, no TPU needed):", ""] + out if out else []
+    return [f"Checked against {compiler} (abstract shapes, no weights, no TPU needed):", ""] + out if out else []

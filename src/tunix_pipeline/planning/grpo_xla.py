@@ -1,5 +1,5 @@
 """GRPO's two programs compiled ahead of time for a TPU topology (libtpu's compile-only devices, or an
-attached TPU): abstract shapes, no weights, no TPU needed.
+attached TPU), or for this CPU when the run is planned on it: abstract shapes, no weights, no TPU needed.
 
 - **generation**: one decode step of Tunix's sampler: the model's forward pass over the last token of
   every completion with the KV cache (`Sampler._sample_step`, the cache donated as Tunix donates it),
@@ -227,12 +227,13 @@ def check(plan, model, grpo: GrpoParams, max_layers: int | None = 4, params=None
     from tunix_pipeline.planning.grpo_shapes import rollout_setup, update_setup
 
     try:
-        target = xla.tpu_target(plan.selected.hw)
+        target = xla.tpu_target(plan.selected.hw) or _this_cpu(plan.selected.hw)
     except Exception as err:  # noqa: BLE001 - e.g. a topology libtpu does not know: the estimate stands
         return {"error": f"{type(err).__name__}: {err}", "topology": plan.selected.hw.topology}
     if target is None:
         return None
     name, devices = target
+    compiler = f"XLA:{devices[0].platform.upper()}"
     arch, policy = plan.job.arch, plan.selected
     arches = judge.architectures(grpo, params) if params is not None else {}
     if arches:  # with a judge on its own chips, the policy's programs are compiled on the others
@@ -241,7 +242,8 @@ def check(plan, model, grpo: GrpoParams, max_layers: int | None = 4, params=None
             return {"error": problem, "topology": name}
     setup = update_setup(policy, grpo)
     estimate = estimates(arch, setup, rollout_setup(policy, grpo))
-    out = {"topology": name, "mesh": setup.mesh, "dtype": setup.param_dtype, "decode_weights": decode_weights}
+    out = {"topology": name, "compiler": compiler, "mesh": setup.mesh, "dtype": setup.param_dtype,
+           "decode_weights": decode_weights}
     decode_step = functools.partial(compile_decode_step, gathered=decode_weights == "gathered")
     # the update is compiled at full depth: XLA:TPU schedules a shallow one into less than its layers add up to
     # (Gemma-2B's, one 768-token sequence a chip: 2.56 and 2.61 GiB at 2 and 3 layers, 5.35 at all 18 against
@@ -249,9 +251,19 @@ def check(plan, model, grpo: GrpoParams, max_layers: int | None = 4, params=None
     for phase, compile_fn, depth in (("generation", decode_step, max_layers), ("update", compile_update_step, None)):
         out[phase] = _compiled(lambda layers: compile_fn(arch, setup, grpo, layers, model.lora, devices), arch,
                                depth, layer_period(arch, setup.seq_len), estimate[phase])
-    if arches:
+    if arches and compiler == "XLA:TPU":
         out["judges"] = check_judges(plan, policy, grpo, arches, devices, max_layers)
     return out
+
+
+def _this_cpu(hw) -> tuple[str, tuple] | None:
+    """(name, devices) when the profile is the CPU this process runs on: GRPO's programs are then the very ones
+    the run compiles (a CPU run's host memory holds both), compiled here in a minute or so for a 270M model."""
+    import jax
+
+    if hw.kind != "cpu" or jax.default_backend() != "cpu" or jax.device_count() < hw.devices:
+        return None
+    return "this CPU", tuple(jax.devices()[: hw.devices])
 
 
 def _compiled(compile_at, arch: Architecture, max_layers: int | None, period: int, estimate: float) -> dict:

@@ -10,7 +10,10 @@ from tunix_pipeline.config import (
 )
 from tunix_pipeline.evaluate.dev_eval import DevEval, log_curve
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
-from tunix_pipeline.planning import DoesNotFit, build_plan, peak_flops_per_device, refusal, with_xla_check
+from tunix_pipeline.planning import (
+    DoesNotFit, PlannedStage, build_plan, peak_flops_per_device, refusal, stage_planning, with_xla_check,
+)
+from tunix_pipeline.planning.grpo import refusal as grpo_refusal
 from tunix_pipeline.planning.disk import add_disk, disk_sessions, plan_disk
 from tunix_pipeline.run.runtime import global_batch_size, make_mesh
 from tunix_pipeline.stages import GRPO, PREFERENCE, SFT, StageResult
@@ -105,6 +108,10 @@ def check_sft_fits(
         ))
     if result.status == "over":
         raise DoesNotFit(refusal(result))
+    if grpo is not None and grpo.enabled:  # GRPO later in this session: stop now, not hours in, if it cannot fit
+        result = stage_planning(GRPO).add_stage(result, PlannedStage(grpo), model, plan, runtime)
+        if not result.polish[GRPO.name]["selected"]["fits"]:
+            raise DoesNotFit(grpo_refusal(result))
     for warning in result.warnings:  # the precision warning among them: updates that round away
         log.warning("plan: %s", warning)
     shares = (result.job.precision or {}).get("share_changed")
