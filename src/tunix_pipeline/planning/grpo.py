@@ -86,7 +86,10 @@ def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, sessio
         update = upd_x["xla_gib"] * GIB + reference + shared
 
     mfu = hw.mfu or params.mfu
-    step_x = decode_step(arch, hw, roll, grpo.max_prompt_length, grpo.max_completion_length, gen_x)
+    # the CPU's decode_roofline_fraction is measured against the estimate's roofline, and XLA:CPU's bytes accessed
+    # count its copies of the cache (benchmarks/RESULTS.md, section 25): its decode time stays the estimate's
+    step_x = decode_step(arch, hw, roll, grpo.max_prompt_length, grpo.max_completion_length,
+                         gen_x if compiler == "XLA:TPU" else None)
     prefill_seconds, decode_seconds, logps_seconds, update_seconds, update_flops = _batch_seconds(
         arch, hw, setup, grpo, mfu, step_x, upd_x.get("flops_per_device"))
     out = {
