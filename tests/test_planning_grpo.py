@@ -285,6 +285,8 @@ def test_on_this_cpu_grpo_is_compiled_and_the_sft_preflight_stops_a_run_it_canno
     assert g["fits"] and g["update_from"] == g["generation_from"] == "XLA:CPU"
     x = summary["grpo"]["xla_check"]
     assert x["topology"] == "this CPU" and x["update"]["xla_gib"] > 0 and x["generation"]["xla_gib"] > 0
+    # the CPU's decode fraction is measured against the estimate's roofline: its time stays the estimate's
+    assert g["decode_step"]["from"] == "estimate"
     usable = g["usable_memory_gib"]
     # between the larger phase and SFT's own peak: SFT fits, GRPO does not
     memory = (max(g["update_gib"], g["generation_gib"]) + summary["memory_per_device_gib"]) / 2 / usable
