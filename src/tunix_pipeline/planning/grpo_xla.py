@@ -258,7 +258,7 @@ def check(plan, model, grpo: GrpoParams, max_layers: int | None = 4, params=None
 
 def _this_cpu(hw) -> tuple[str, tuple] | None:
     """(name, devices) when the profile is the CPU this process runs on: GRPO's programs are then the very ones
-    the run compiles (a CPU run's host memory holds both), compiled here in a minute or so for a 270M model."""
+    the run compiles (a CPU run's host memory holds both): the real Gemma 3 270M's update in ~25 s on 2 cores."""
     import jax
 
     if hw.kind != "cpu" or jax.default_backend() != "cpu" or jax.device_count() < hw.devices:
