@@ -297,6 +297,7 @@ def test_grpo_weight_decay_reaches_matrices_only(tiny_model_dir, tmp_path):
 
 def test_grpo_dev_eval_keeps_the_best_step(tiny_model_dir, tokenizer, formatted, tmp_path, monkeypatch):
     from tunix_pipeline.evaluate import evaluation
+    from tunix_pipeline.evaluate.dev_eval import DevEval
     from tunix_pipeline.models import load_model
     from tunix_pipeline.stages import selected_step
     from tunix_pipeline.train.checkpoints import restore_required
@@ -315,7 +316,8 @@ def test_grpo_dev_eval_keeps_the_best_step(tiny_model_dir, tokenizer, formatted,
     params = _params(tmp_path, keep_checkpoints=1, dev_eval={"every": 1, "prompts": 2, "max_new_tokens": 4,
                                                               "batch_size": 4})
     inputs = grpo.prepare(formatted, tokenizer, params, mesh)
-    result = grpo.train_grpo(model, tokenizer, inputs, params, mesh, eval_formatted=formatted.tail(3))
+    dev = DevEval(params.dev_eval, tokenizer, formatted.tail(3), "grpo")
+    result = grpo.train_grpo(model, tokenizer, inputs, params, mesh, dev=dev)
     assert [(p["step"], p["lenient_accuracy"]) for p in result["dev_curve"]] == [(1, 0.5), (2, 0.25)]
     assert (result["best_step"], result["selected_step"], result["latest_step"]) == (1, 1, 2)
     ckpt = tmp_path / "grpo" / "actor"

@@ -23,7 +23,7 @@ from tunix_pipeline.run.errors import UserError
 from tunix_pipeline.stages import SFT
 from tunix_pipeline.train import checkpoints
 from tunix_pipeline.train.checkpoints import DEV_CURVE_FILE as CURVE_FILE
-from tunix_pipeline.train.checkpoints import best_step
+from tunix_pipeline.train.checkpoints import best_step, no_dev_eval
 
 log = logging.getLogger(__name__)
 METRICS = ("lenient_accuracy", "answer_accuracy", "format_compliance")
@@ -151,11 +151,6 @@ def log_curve(curve: list[dict], stage: str) -> None:
     backend = MlflowBackend()
     for metric in METRICS:
         backend.fill_gaps(f"{metric_prefix(stage)}/dev/{metric}".lstrip("/"), curve, key=metric)
-
-
-def no_dev_eval(latest_step: int) -> dict:
-    """The result's part without `dev_eval`: the latest step is the one handed on."""
-    return {"dev_curve": [], "best_step": None, "selected_step": latest_step}
 
 
 def _fmt(value) -> str:

@@ -142,7 +142,7 @@ def start_from(model, parent_dir: str | Path, checkpoint_dir: str | Path) -> dic
         lineage["parent_best_step"] = best
     if latest_step(storage_path(checkpoint_dir)) is not None:
         return {**lineage, "parent_step": best or (latest_step(parent) if parent.is_dir() else None)}
-    check_start(parent_dir, checkpoint_dir)
+    _require_parent(parent)
     try:
         step = restore_latest(model, parent, best)
     except Exception as err:  # Orbax names the tree mismatch only deep inside its message
@@ -159,9 +159,11 @@ def start_from(model, parent_dir: str | Path, checkpoint_dir: str | Path) -> dic
 def check_start(parent_dir: str | Path, checkpoint_dir: str | Path) -> None:
     """Refuses an `sft.init_from` that holds no checkpoint, unless this run has checkpoints of its own (it resumes
     those and never reads the parent). Also run before the pipeline starts (`preflight`)."""
-    if latest_step(storage_path(checkpoint_dir)) is not None:
-        return
-    parent = storage_path(parent_dir)
+    if latest_step(storage_path(checkpoint_dir)) is None:
+        _require_parent(storage_path(parent_dir))
+
+
+def _require_parent(parent: epath.Path) -> None:
     if not parent.is_dir() or latest_step(parent) is None:
         raise CheckpointError(
             f"sft.init_from: no checkpoint in {parent}; point it at a previous run's sft.checkpoint_dir "
@@ -182,6 +184,11 @@ def best_step(curve: list[dict]) -> int | None:
         if best is None or key(point) >= key(best):
             best = point
     return None if best is None else best["step"]
+
+
+def no_dev_eval(latest_step: int) -> dict:
+    """A stage result's dev part for a run without `dev_eval`: the latest step is the one handed on."""
+    return {"dev_curve": [], "best_step": None, "selected_step": latest_step}
 
 
 def dev_selected_step(ckpt_dir: epath.Path) -> int | None:

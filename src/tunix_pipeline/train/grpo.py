@@ -28,7 +28,6 @@ import pandas as pd
 
 from tunix_pipeline import upstream
 from tunix_pipeline.config import GrpoParams
-from tunix_pipeline.evaluate.dev_eval import DevEval, no_dev_eval
 from tunix_pipeline.evaluate.generation import fitting_prompts, gathers_weights
 from tunix_pipeline.run import progress
 from tunix_pipeline.run.errors import TrainingInterrupted, UserError
@@ -119,17 +118,17 @@ def prepare(train_formatted: pd.DataFrame, tokenizer, params: GrpoParams, mesh: 
 
 def train_grpo(
     model, tokenizer, inputs: GrpoInputs, params: GrpoParams, mesh: jax.sharding.Mesh,
-    metrics_backends: list | None = None, decode_weights: str = "sharded", eval_formatted: pd.DataFrame | None = None,
+    metrics_backends: list | None = None, decode_weights: str = "sharded", dev=None,
 ) -> StageResult:
     """GRPO on `model` in place (full weights or LoRA adapters) from `prepare`'s inputs; resumes.
-    `decode_weights`: the rollouts', `runtime.decode_weights`; `eval_formatted`: its dev rows for `grpo.dev_eval`."""
+    `decode_weights`: the rollouts', `runtime.decode_weights`; `dev`: a `dev_eval.DevEval` (`grpo.dev_eval`) scoring
+    the dev split as it goes and keeping the best step, or None."""
     from tunix.rl import rl_cluster as rl_cluster_lib
 
     rows, rewards = inputs.prompts, inputs.rewards
     root = storage_path(params.checkpoint_dir)  # a gs:// URI reaches Orbax as it is
     rollout = _rollout_config(params, tokenizer)
     algo_config, learner_cls = algorithm(params)
-    dev = DevEval(params.dev_eval, tokenizer, eval_formatted, "grpo", decode_weights) if params.dev_eval else None
     cluster_config = _cluster_config(params, mesh, root, checkpoints.logger_options(root, metrics_backends), rollout,
                                      gathers_weights(decode_weights, model), dev)
     # the reference is the SFT policy as it is now, before any GRPO checkpoint is restored into the actor
@@ -183,7 +182,7 @@ def train_grpo(
         "evaluation_note": note,
         "history": history,
         "train_seconds": seconds,
-        **(dev.summary(end_step) if dev else no_dev_eval(end_step)),
+        **(dev.summary(end_step) if dev else checkpoints.no_dev_eval(end_step)),
     }
 
 

@@ -42,6 +42,12 @@ def _trainer(model, sft: SftParams, mesh, options, ckpt_dir: epath.Path, dev=Non
     )
 
 
+def start(model, sft: SftParams) -> dict:
+    """The run's lineage: with `sft.init_from`, the parent run's checkpoint loaded into `model`
+    (`checkpoints.start_from`: its checkpoint, step and MLflow run); {} for a run from the base model."""
+    return checkpoints.start_from(model, sft.init_from, sft.checkpoint_dir) if sft.init_from else {}
+
+
 def train(
     model,
     train_rows: pd.DataFrame,
@@ -51,10 +57,15 @@ def train(
     metrics_backends: list | None = None,
     peak_flops_per_device: float | None = None,
     dev=None,
+    lineage: dict | None = None,
 ) -> StageResult:
     """Trains `model` in place; resumes from the latest checkpoint in `sft.checkpoint_dir`. `dev`: a
-    `dev_eval.DevEval` (`sft.dev_eval`) scoring the dev split as it goes and keeping the best step, or None."""
+    `dev_eval.DevEval` (`sft.dev_eval`) scoring the dev split as it goes and keeping the best step, or None.
+    `lineage`: `start`'s; with `sft.max_steps: 0` nothing is trained and the parent's checkpoint is the result."""
     batch_size = global_batch_size(sft, mesh)
+    lineage = lineage or {}
+    if sft.max_steps == 0:
+        return _parent_passed_on(lineage, sft, batch_size)
     local = process_rows(mesh, batch_size)
     seq_len = len(train_rows["input_tokens"].iloc[0])
     ckpt_dir = storage_path(sft.checkpoint_dir)  # a gs:// URI reaches Orbax as it is
@@ -87,6 +98,7 @@ def train(
     end_run(feed, "sft", run, sft.max_steps, sft.time_budget_hours)
     return {
         **run,
+        **lineage,
         "global_batch_size": batch_size * sft.gradient_accumulation_steps,
         "micro_batch_size": batch_size,
         "sequence_length": seq_len,
@@ -94,6 +106,17 @@ def train(
         "last_loss": history[-1]["loss"] if history else None,
         "history": history,
         # without `dev`, the latest step is the one handed on
-        **(dev.summary(run["latest_step"]) if dev else
-           {"dev_curve": [], "best_step": None, "selected_step": run["latest_step"]}),
+        **(dev.summary(run["latest_step"]) if dev else checkpoints.no_dev_eval(run["latest_step"])),
+    }
+
+
+def _parent_passed_on(lineage: dict, sft: SftParams, batch_size: int) -> StageResult:
+    """A session that trains nothing (`sft.max_steps: 0`, which needs `sft.init_from`): the parent's checkpoint,
+    and its dev-selected step, are this session's."""
+    return {
+        "checkpoint_dir": lineage["parent_checkpoint"], "latest_step": lineage["parent_step"],
+        "steps_this_run": 0, "stopped_early": None, "history": [], "first_loss": None, "last_loss": None,
+        "global_batch_size": batch_size * sft.gradient_accumulation_steps, "micro_batch_size": batch_size,
+        "best_step": lineage.get("parent_best_step"), "selected_step": lineage["parent_step"], "dev_curve": [],
+        **lineage,
     }

@@ -15,12 +15,11 @@ from tunix_pipeline.planning import (
 )
 from tunix_pipeline.planning.grpo import refusal as grpo_refusal
 from tunix_pipeline.planning.disk import add_disk, disk_sessions, plan_disk
-from tunix_pipeline.run.runtime import global_batch_size, make_mesh
+from tunix_pipeline.run.runtime import make_mesh
 from tunix_pipeline.stages import GRPO, PREFERENCE, SFT, StageResult
 from tunix_pipeline.tracking.mlflow_runs import mlflow_name, remember_run
 from tunix_pipeline.tracking.step_metrics import MlflowBackend, metrics_backends
-from tunix_pipeline.train.checkpoints import start_from
-from tunix_pipeline.train.sft import train
+from tunix_pipeline.train.sft import start, train
 
 log = logging.getLogger(__name__)
 
@@ -39,39 +38,28 @@ def train_sft(
     mesh = make_mesh(runtime)
     network, _ = load_run_model(base_model["path"], model, mesh, remat=sft.remat, compute_dtype=sft.compute_dtype)
     live = mlflow.active_run() is not None and jax.process_index() == 0
-    lineage = start_from(network, sft.init_from, sft.checkpoint_dir) if sft.init_from else {}
+    lineage = start(network, sft)
     if live and lineage:
         mlflow.set_tags({mlflow_name(f"lineage.{k}"): v for k, v in lineage.items() if v is not None})
-    described = {
+    if live and sft.max_steps:
+        remember_run(sft.checkpoint_dir)
+    # the dev split's score and the best step (`sft.dev_eval`)
+    dev = DevEval(sft.dev_eval, load_tokenizer(base_model["path"]), eval_formatted, "sft",
+                  runtime.decode_weights) if sft.dev_eval and sft.max_steps else None
+    result = train(
+        network, train_tokens, eval_tokens, sft, mesh,
+        metrics_backends(tracking, runtime.output_root, "sft"), peak_flops_per_device(plan, runtime), dev, lineage,
+    )
+    if live and sft.max_steps:
+        MlflowBackend().fill_gaps("train/loss", result["history"])
+        log_curve(result["dev_curve"], "sft")
+    return {
+        **result,
         **parameter_counts(network),
-        **lineage,
         "lora": model.lora is not None,
         "mesh": dict(mesh.shape),
         "base_model": base_model["path"],
     }
-    if sft.max_steps == 0:  # nothing to train this session: the parent checkpoint is the result
-        batch_size = global_batch_size(sft, mesh)
-        return {
-            "checkpoint_dir": lineage["parent_checkpoint"], "latest_step": lineage["parent_step"],
-            "steps_this_run": 0, "stopped_early": None, "history": [], "first_loss": None, "last_loss": None,
-            "global_batch_size": batch_size * sft.gradient_accumulation_steps, "micro_batch_size": batch_size,
-            # the parent's dev-selected step passes on as this session's
-            "best_step": lineage.get("parent_best_step"), "selected_step": lineage["parent_step"], "dev_curve": [],
-            **described,
-        }
-    if live:
-        remember_run(sft.checkpoint_dir)
-    # the dev split's score and the best step (`sft.dev_eval`)
-    dev = DevEval(sft.dev_eval, load_tokenizer(base_model["path"]), eval_formatted, "sft",
-                  runtime.decode_weights) if sft.dev_eval else None
-    result = train(
-        network, train_tokens, eval_tokens, sft, mesh,
-        metrics_backends(tracking, runtime.output_root, "sft"), peak_flops_per_device(plan, runtime), dev,
-    )
-    if live:
-        MlflowBackend().fill_gaps("train/loss", result["history"])
-        log_curve(result["dev_curve"], "sft")
-    return {**result, **described}
 
 
 def check_sft_fits(
