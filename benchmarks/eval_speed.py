@@ -161,6 +161,7 @@ def main() -> None:
     from tunix_pipeline.config import LoraParams, ModelParams, RuntimeParams
     from tunix_pipeline.evaluate.generation import next_power_of_two, prompt_lengths
     from tunix_pipeline.models import load_pretrained, load_run_model, resolve_model_dir
+    from tunix_pipeline.run.paths import storage_path
     from tunix_pipeline.run.runtime import make_mesh
     from tunix_pipeline.train.checkpoints import restore_required
 
@@ -179,7 +180,7 @@ def main() -> None:
         if args.checkpoint:
             lora = ModelParams(lora=LoraParams(rank=args.lora_rank, alpha=args.lora_alpha))
             tuned, _ = load_run_model(folder, lora, mesh, quantize=False)
-            step = restore_required(tuned, args.checkpoint, "sft", "eval_speed")
+            step = restore_required(tuned, storage_path(args.checkpoint), "sft", "eval_speed")
             runs = run_model(tuned, tokenizer, chosen, args, prompt_length, timer)
             models["tuned"] = {"checkpoint_step": step, **runs}
     new = [m["runs"][-1]["minutes_1319_extrapolated"] for m in models.values()]

@@ -82,13 +82,13 @@ def test_sft_checkpoints_resume_restore_and_export_through_gs(bucket, tiny_model
     assert (second["resumed_from_step"], second["latest_step"]) == (2, 3)
     assert [h["step"] for h in json.loads((bucket / "run" / "sft" / "loss_history.json").read_text())] == [1, 2, 3]
     fresh, _ = load_model(tiny_model_dir, mesh)
-    assert restore_latest(fresh, uri) == 3
+    assert restore_latest(fresh, storage_path(uri)) == 3
     trained, restored = _params(model), _params(fresh)
     assert all(np.array_equal(trained[k], restored[k]) for k in trained)  # a save/restore round trip: bitwise
 
     # sft.init_from a gs:// parent
     other, _ = load_model(tiny_model_dir, mesh)
-    assert start_from(other, uri, tmp_path / "child")["parent_step"] == 3
+    assert start_from(other, storage_path(uri), tmp_path / "child")["parent_step"] == 3
     assert np.array_equal(_params(other)["embedder.input_embedding"], trained["embedder.input_embedding"])
 
     # export.output_dir on gs://: written locally, then copied over the bucket folder (stale files removed)

@@ -23,12 +23,11 @@ from tunix_pipeline.run.errors import UserError
 from tunix_pipeline.stages import SFT
 from tunix_pipeline.train import checkpoints
 from tunix_pipeline.train.checkpoints import DEV_CURVE_FILE as CURVE_FILE
-from tunix_pipeline.train.checkpoints import best_step, no_dev_eval
+from tunix_pipeline.train.checkpoints import best_step
 
 log = logging.getLogger(__name__)
 METRICS = ("lenient_accuracy", "answer_accuracy", "format_compliance")
-__all__ = ["CURVE_FILE", "METRICS", "DevEval", "KeepStep", "best_step", "dev_rows", "log_curve", "metric_prefix",
-           "no_dev_eval"]
+__all__ = ["CURVE_FILE", "METRICS", "DevEval", "KeepStep", "best_step", "dev_rows", "log_curve", "metric_prefix"]
 
 
 def dev_rows(eval_formatted: pd.DataFrame) -> pd.DataFrame:

@@ -12,6 +12,7 @@ from tunix_pipeline.data.formatting import few_shot_label
 from tunix_pipeline.evaluate import evaluation
 from tunix_pipeline.evaluate import harness as harness_lib
 from tunix_pipeline.models import load_run_model, load_tokenizer
+from tunix_pipeline.run.paths import storage_path
 from tunix_pipeline.run.runtime import make_mesh
 from tunix_pipeline.stages import SFT, Stage, selected_step
 from tunix_pipeline.train.checkpoints import restore_required
@@ -107,7 +108,8 @@ def evaluate_models(
         _measure("base", evaluator, few_shot, results, samples, params)
         if harness:
             harness_results["base"] = harness.measure("base")
-    step = restore_required(network, sft_result["checkpoint_dir"], SFT.name, "evaluate", selected_step(sft_result))
+    step = restore_required(network, storage_path(sft_result["checkpoint_dir"]), SFT.name, "evaluate",
+                            selected_step(sft_result))
     _measure("tuned", evaluator, few_shot, results, samples, params)
     results["tuned"]["checkpoint_step"] = step
     if harness:
@@ -178,7 +180,7 @@ def _after_stage(stage: Stage, title, eval_tokens, eval_formatted, eval_few_shot
     # each at the step handed on: its dev-selected one (`dev_eval`), else the latest
     for label, checkpoint_dir, selected in ((start, result["start_checkpoint_dir"], result.get("start_selected")),
                                             (stage.name, result["checkpoint_dir"], selected_step(result))):
-        step = restore_required(network, checkpoint_dir, label, "evaluate", selected)
+        step = restore_required(network, storage_path(checkpoint_dir), label, "evaluate", selected)
         _measure(label, evaluator, few_shot, results, samples, params)
         results[label]["checkpoint_step"] = step
         if harness:

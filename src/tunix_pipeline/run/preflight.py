@@ -16,6 +16,7 @@ from tunix_pipeline.config import (
 )
 from tunix_pipeline.config.validation import ConfigError, validate_section
 from tunix_pipeline.run.errors import UserError
+from tunix_pipeline.run.paths import storage_path
 from tunix_pipeline.stages import GRPO, PREFERENCE, SFT, STAGES, Stage
 
 # the evaluation nodes: after SFT, and after each polish stage
@@ -66,7 +67,7 @@ def check_init_from(sft: SftParams) -> None:
     if sft.init_from:
         from tunix_pipeline.train.checkpoints import check_start
 
-        check_start(sft.init_from, sft.checkpoint_dir)
+        check_start(storage_path(sft.init_from), storage_path(sft.checkpoint_dir))
 
 
 def check_previous_root(params: dict) -> None:

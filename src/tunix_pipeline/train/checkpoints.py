@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -18,7 +17,6 @@ from etils import epath
 
 from tunix_pipeline.models.errors import ModelError
 from tunix_pipeline.run.errors import UserError
-from tunix_pipeline.run.paths import storage_path
 from tunix_pipeline.run.processes import barrier
 
 log = logging.getLogger(__name__)
@@ -63,11 +61,11 @@ def latest_step(ckpt_dir: epath.Path) -> int | None:
     return max(steps) if steps else None
 
 
-def params_dir(checkpoint_dir: str | Path, step: int) -> epath.Path:
+def params_dir(checkpoint_dir: epath.Path, step: int) -> epath.Path:
     """The Orbax folder of a checkpoint's weights (only the LoRA adapters in a LoRA run), as Tunix's
     CheckpointManager writes it: what `orbax.checkpoint.StandardCheckpointer().restore` reads in a
     Tunix notebook (docs/restore_with_tunix.md)."""
-    return storage_path(checkpoint_dir) / str(step) / "model_params"
+    return checkpoint_dir / str(step) / "model_params"
 
 
 def set_aside(ckpt_dir: epath.Path, step: int, err: Exception) -> None:
@@ -97,7 +95,7 @@ def restored_trainer(build, ckpt_dir: epath.Path):
             set_aside(ckpt_dir, step, err)
 
 
-def restore_latest(model, checkpoint_dir: str | Path, step: int | None = None) -> int:
+def restore_latest(model, checkpoint_dir: epath.Path, step: int | None = None) -> int:
     """Loads the latest checkpoint of `checkpoint_dir` (or the one of `step`) into `model` (only its adapters when it
     has LoRA); returns the step (0: none)."""
     from tunix.sft import checkpoint_manager
@@ -106,7 +104,7 @@ def restore_latest(model, checkpoint_dir: str | Path, step: int | None = None) -
     from tunix_pipeline.upstream import loops_finish_their_tasks
 
     loops_finish_their_tasks()
-    manager = checkpoint_manager.CheckpointManager(str(storage_path(checkpoint_dir)))
+    manager = checkpoint_manager.CheckpointManager(str(checkpoint_dir))
     try:
         step, _ = manager.maybe_restore(model, step=step, restore_only_lora_params=sft_utils.is_lora_enabled(model))
     finally:
@@ -114,10 +112,10 @@ def restore_latest(model, checkpoint_dir: str | Path, step: int | None = None) -
     return step
 
 
-def restore_required(model, checkpoint_dir: str | Path, stage: str, needed_by: str, step: int | None = None) -> int:
+def restore_required(model, checkpoint_dir: epath.Path, stage: str, needed_by: str, step: int | None = None) -> int:
     """`restore_latest` (or `step`: a stage's dev-selected one), for a stage that cannot go on without `stage`'s
     checkpoint; returns its step."""
-    if step is not None and not (storage_path(checkpoint_dir) / str(step)).is_dir():
+    if step is not None and not (checkpoint_dir / str(step)).is_dir():
         raise CheckpointError(f"{needed_by}: {stage}'s selected checkpoint step {step} is not in {checkpoint_dir}; "
                               f"rerun the `{stage}` pipeline")
     step = restore_latest(model, checkpoint_dir, step)
@@ -126,7 +124,7 @@ def restore_required(model, checkpoint_dir: str | Path, stage: str, needed_by: s
     return step
 
 
-def start_from(model, parent_dir: str | Path, checkpoint_dir: str | Path) -> dict:
+def start_from(model, parent: epath.Path, checkpoint_dir: epath.Path) -> dict:
     """Loads the parent run's latest checkpoint (its best dev step, where it scored its dev split) into `model` (a
     new run on its weights, `sft.init_from`).
 
@@ -135,12 +133,11 @@ def start_from(model, parent_dir: str | Path, checkpoint_dir: str | Path) -> dic
     """
     from tunix_pipeline.tracking.mlflow_runs import recorded_run
 
-    parent = storage_path(parent_dir)
     lineage = {"parent_checkpoint": str(parent), "parent_run_id": recorded_run(parent)}
     best = dev_selected_step(parent) if parent.is_dir() else None
     if best is not None:
         lineage["parent_best_step"] = best
-    if latest_step(storage_path(checkpoint_dir)) is not None:
+    if latest_step(checkpoint_dir) is not None:
         return {**lineage, "parent_step": best or (latest_step(parent) if parent.is_dir() else None)}
     _require_parent(parent)
     try:
@@ -156,11 +153,11 @@ def start_from(model, parent_dir: str | Path, checkpoint_dir: str | Path) -> dic
     return {**lineage, "parent_step": step}
 
 
-def check_start(parent_dir: str | Path, checkpoint_dir: str | Path) -> None:
+def check_start(parent: epath.Path, checkpoint_dir: epath.Path) -> None:
     """Refuses an `sft.init_from` that holds no checkpoint, unless this run has checkpoints of its own (it resumes
     those and never reads the parent). Also run before the pipeline starts (`preflight`)."""
-    if latest_step(storage_path(checkpoint_dir)) is None:
-        _require_parent(storage_path(parent_dir))
+    if latest_step(checkpoint_dir) is None:
+        _require_parent(parent)
 
 
 def _require_parent(parent: epath.Path) -> None:

@@ -45,7 +45,9 @@ def _trainer(model, sft: SftParams, mesh, options, ckpt_dir: epath.Path, dev=Non
 def start(model, sft: SftParams) -> dict:
     """The run's lineage: with `sft.init_from`, the parent run's checkpoint loaded into `model`
     (`checkpoints.start_from`: its checkpoint, step and MLflow run); {} for a run from the base model."""
-    return checkpoints.start_from(model, sft.init_from, sft.checkpoint_dir) if sft.init_from else {}
+    if not sft.init_from:
+        return {}
+    return checkpoints.start_from(model, storage_path(sft.init_from), storage_path(sft.checkpoint_dir))
 
 
 def train(

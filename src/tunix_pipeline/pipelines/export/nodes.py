@@ -46,7 +46,8 @@ def export_model(
     template it was tuned with)."""
     results = {stage.name: stage_results.get(stage.result) for stage in STAGES}
     network, _ = load_run_model(base_model["path"], model, make_mesh(runtime), quantize=False)
-    stage, checkpoint_dir = final_checkpoint(results)
+    stage, checkpoint = final_checkpoint(results)
+    checkpoint_dir = storage_path(checkpoint)
     # the stage's dev-selected step (`dev_eval`), else its latest
     step = restore_required(network, checkpoint_dir, stage, "export", selected_step(results[stage]))
     tokenizer = load_tokenizer(base_model["path"])

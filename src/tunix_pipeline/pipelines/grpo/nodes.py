@@ -3,6 +3,7 @@ import pandas as pd
 from tunix_pipeline.config import GrpoParams, ModelParams, RuntimeParams, TrackingParams
 from tunix_pipeline.evaluate.dev_eval import DevEval, log_curve
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
+from tunix_pipeline.run.paths import storage_path
 from tunix_pipeline.stages import GRPO, StageResult, policy_stage, selected_step, start_of
 from tunix_pipeline.tracking.step_metrics import MlflowBackend, metrics_backends
 from tunix_pipeline.train.checkpoints import restore_required
@@ -35,8 +36,8 @@ def run_grpo(
     # the dev split's score and the best step (`grpo.dev_eval`), its rows checked before any weights load
     dev = DevEval(grpo.dev_eval, tokenizer, eval_formatted, GRPO.name, runtime.decode_weights) if grpo.dev_eval else None
     network, _ = load_run_model(base_model["path"], model, mesh)
-    step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), "grpo",
-                            selected_step(parent_result))
+    step = restore_required(network, storage_path(parent_result["checkpoint_dir"]), policy_stage(parent_result),
+                            GRPO.name, selected_step(parent_result))
     backends = metrics_backends(tracking, runtime.output_root, "grpo")
     result = train_grpo(network, tokenizer, inputs, grpo, mesh, backends, runtime.decode_weights, dev)
     if backends and MlflowBackend in backends:  # the points measured after its backends closed

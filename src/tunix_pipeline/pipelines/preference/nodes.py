@@ -12,6 +12,7 @@ from tunix_pipeline.data.formatting import format_records
 from tunix_pipeline.data.ingest import ingest
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
 from tunix_pipeline.planning import peak_flops_per_device
+from tunix_pipeline.run.paths import storage_path
 from tunix_pipeline.run.processes import is_main_process
 from tunix_pipeline.run.runtime import make_mesh
 from tunix_pipeline.stages import PREFERENCE, StageResult, policy_stage, selected_step, start_of
@@ -53,8 +54,8 @@ def build_pairs(
     mesh, judge_mesh = meshes(runtime, specs)
     rewards = RewardSet(specs, judge_mesh or mesh)  # a bad reward fails before the model loads
     network, _ = load_run_model(base_model["path"], model, mesh, quantize=False)
-    step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), PREFERENCE.name,
-                            selected_step(parent_result))
+    step = restore_required(network, storage_path(parent_result["checkpoint_dir"]), policy_stage(parent_result),
+                            PREFERENCE.name, selected_step(parent_result))
     train, train_counts = pairs.pairs_from_rewards(network, tokenizer, train_formatted, params, rewards, mesh,
                                                   spec.max_prompts, runtime.decode_weights)
     held_out, eval_counts = pairs.pairs_from_rewards(network, tokenizer, eval_formatted, params, rewards, mesh,
@@ -97,8 +98,8 @@ def run_preference(
         return {**skip_stage(err, params.strict, passed_through(parent_result)), "method": params.method,
                 "title": params.method.upper(), "tokenize": {"train": train_stats, "eval": eval_stats}}
     network, _ = load_run_model(base_model["path"], model, mesh)
-    step = restore_required(network, parent_result["checkpoint_dir"], policy_stage(parent_result), PREFERENCE.name,
-                            selected_step(parent_result))
+    step = restore_required(network, storage_path(parent_result["checkpoint_dir"]), policy_stage(parent_result),
+                            PREFERENCE.name, selected_step(parent_result))
     backends = metrics_backends(tracking, runtime.output_root, "preference")
     result = pref.train_preference(network, train_tokens, eval_tokens, params, mesh, batch_size, backends,
                                    peak_flops_per_device(plan, runtime))
