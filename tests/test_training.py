@@ -568,6 +568,24 @@ def test_warmup_must_fit_in_the_run(tmp_path):
 
 
 # ---------------------------------------------------------------- the dev split's score: keep the best step
+def test_the_sft_node_scores_the_dev_split_of_a_run_by_epochs(tiny_model_dir, token_rows, formatted, tmp_path):
+    """`sft.epochs` (max_steps unset) trains, and with `sft.dev_eval` the node scores the dev split as it goes; only
+    `max_steps: 0` trains nothing."""
+    import yaml
+
+    from tunix_pipeline.config import ModelParams, PlanParams, TrackingParams
+    from tunix_pipeline.pipelines.sft.nodes import train_sft
+
+    plan = PlanParams(**yaml.safe_load((ROOT / "conf" / "base" / "parameters_plan.yml").read_text())["plan"])
+    eval_formatted = formatted.head(3).assign(answer=["1", "2", "3"], split="dev")
+    sft = _sft(tmp_path, max_steps=None, epochs=1, checkpoint_every=100,
+               dev_eval={"every": 100, "prompts": 2, "max_new_tokens": 4, "batch_size": 2})
+    result = train_sft(token_rows, token_rows.head(0), eval_formatted, {"path": str(tiny_model_dir)}, ModelParams(),
+                       sft, MESH, TrackingParams(log_outputs=[]), plan)
+    assert result["steps_this_run"] == result["latest_step"] > 0
+    assert [p["step"] for p in result["dev_curve"]] == [result["latest_step"]]  # scored at the last step
+
+
 def test_dev_eval_keeps_and_hands_on_the_best_step(tiny_model_dir, token_rows, formatted, tmp_path, monkeypatch):
     from tunix_pipeline.config import ExportParams, FormatParams, ModelParams
     from tunix_pipeline.evaluate import evaluation

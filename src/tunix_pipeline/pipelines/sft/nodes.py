@@ -39,18 +39,19 @@ def train_sft(
     network, _ = load_run_model(base_model["path"], model, mesh, remat=sft.remat, compute_dtype=sft.compute_dtype)
     live = mlflow.active_run() is not None and jax.process_index() == 0
     lineage = start(network, sft)
+    trains = sft.max_steps != 0  # by steps or by epochs (None); 0: the parent's checkpoint passes on (`train`)
     if live and lineage:
         mlflow.set_tags({mlflow_name(f"lineage.{k}"): v for k, v in lineage.items() if v is not None})
-    if live and sft.max_steps:
+    if live and trains:
         remember_run(sft.checkpoint_dir)
     # the dev split's score and the best step (`sft.dev_eval`)
     dev = DevEval(sft.dev_eval, load_tokenizer(base_model["path"]), eval_formatted, "sft",
-                  runtime.decode_weights) if sft.dev_eval and sft.max_steps else None
+                  runtime.decode_weights) if sft.dev_eval and trains else None
     result = train(
         network, train_tokens, eval_tokens, sft, mesh,
         metrics_backends(tracking, runtime.output_root, "sft"), peak_flops_per_device(plan, runtime), dev, lineage,
     )
-    if live and sft.max_steps:
+    if live and trains:
         MlflowBackend().fill_gaps("train/loss", result["history"])
         log_curve(result["dev_curve"], "sft")
     return {
