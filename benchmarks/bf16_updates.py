@@ -79,7 +79,7 @@ def worker(name: str, model_dir: str, steps: int, batch: int, seq: int) -> dict:
     from tunix_pipeline.data.tokenization import TOKEN_COLUMNS
     from tunix_pipeline.models import load_tokenizer
     from tunix_pipeline.models.loading import load_model
-    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.core.runtime import make_mesh
     from tunix_pipeline.train.loss import loss_fn_for, model_inputs
     from tunix_pipeline.train.optim import learning_rate_schedule, make_optimizer
 

@@ -93,7 +93,7 @@ def _one_device_mesh():
     import jax
 
     from tunix_pipeline.config import RuntimeParams
-    from tunix_pipeline.run import runtime
+    from tunix_pipeline.core import runtime
 
     return runtime.make_mesh(RuntimeParams(mesh="auto"), devices=jax.devices()[:1])
 
@@ -145,8 +145,8 @@ def worker_ours(args) -> dict:
     """Our sft step through `train.sft.train`, as the sft node configures it (one device: mesh auto)."""
     from tunix_pipeline.config import ModelParams
     from tunix_pipeline.models import load_run_model
-    from tunix_pipeline.planning.architecture import model_flops_per_token
-    from tunix_pipeline.run import runtime
+    from tunix_pipeline.models.architecture import model_flops_per_token
+    from tunix_pipeline.core import runtime
     from tunix_pipeline.train.sft import train
 
     if args.no_cpu_options:
@@ -206,8 +206,8 @@ def worker_tunix_default(args) -> dict:
     from tunix_pipeline import upstream
     from tunix_pipeline.config import ModelParams
     from tunix_pipeline.models import load_run_model
-    from tunix_pipeline.planning.architecture import model_flops_per_token
-    from tunix_pipeline.run import progress
+    from tunix_pipeline.models.architecture import model_flops_per_token
+    from tunix_pipeline.core import progress
     from tunix_pipeline.train import loop
     from tunix_pipeline.train.optim import make_optimizer
 

@@ -125,9 +125,9 @@ def main() -> None:
     import numpy as np
 
     from tunix_pipeline.config import ModelParams, RuntimeParams
-    from tunix_pipeline.evaluate.generation import make_sampler
+    from tunix_pipeline.generate.generation import make_sampler
     from tunix_pipeline.models import load_pretrained, resolve_model_dir
-    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.core.runtime import make_mesh
 
     machine = common.machine()
     folder = resolve_model_dir(ModelParams(source=f"pypi:{PACKAGE}", local_dir=str(Path(args.work) / "base_model")))

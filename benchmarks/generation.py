@@ -137,7 +137,7 @@ def prompts(prep: dict, batch: int, length: int, grouped: bool) -> list[list[int
 def run_ours(prep: dict, rows: list[list[int]], new: int, group: int, repeats: int, dtype: str) -> dict:
     import jax
 
-    from tunix_pipeline.evaluate.generation import make_sampler
+    from tunix_pipeline.generate.generation import make_sampler
     from tunix_pipeline.models import load_pretrained
 
     model, tokenizer = load_pretrained(prep["hf"], dtype=dtype)

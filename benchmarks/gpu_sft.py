@@ -126,8 +126,8 @@ def worker(args) -> dict:
 
     from benchmarks.cpu_sft import _logged_useful_tokens, _Recorder, _series, _sft_params, tunix_model_input_fn
     from tunix_pipeline.config import RuntimeParams
-    from tunix_pipeline.planning.architecture import model_flops_per_token
-    from tunix_pipeline.run import progress, runtime
+    from tunix_pipeline.models.architecture import model_flops_per_token
+    from tunix_pipeline.core import progress, runtime
     from tunix_pipeline.train import loop
     from tunix_pipeline.train.optim import make_optimizer
     from tunix_pipeline.train.sft import train

@@ -109,7 +109,7 @@ def step_batches(formatted, tokenizer, settings: dict) -> list[dict]:
     """The prompt batches ours trains on, step by step: the prompts that fit, in `PromptFeed`'s seeded order."""
     import itertools
 
-    from tunix_pipeline.evaluate.generation import fitting_prompts
+    from tunix_pipeline.generate.generation import fitting_prompts
     from tunix_pipeline.train import grpo
 
     params = grpo_params(settings, "unused")
@@ -177,9 +177,9 @@ def worker_ours(settings: dict, model_dir: str) -> dict:
     from tunix.rl import rl_learner
 
     from tunix_pipeline.config import LoraParams, ModelParams, RuntimeParams
-    from tunix_pipeline.evaluate.generation import prompt_lengths
+    from tunix_pipeline.generate.generation import prompt_lengths
     from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
-    from tunix_pipeline.run import runtime
+    from tunix_pipeline.core import runtime
     from tunix_pipeline.train.grpo import prepare, train_grpo
 
     clock = {"generation": [], "scoring": [], "ends": [], "first_start": None, "compile_at_end": []}
@@ -281,7 +281,7 @@ def worker_trl(settings: dict, model_dir: str) -> dict:
     import transformers
     import trl
 
-    from tunix_pipeline.evaluate.generation import end_tokens, prompt_lengths
+    from tunix_pipeline.generate.generation import end_tokens, prompt_lengths
     from tunix_pipeline.models import load_tokenizer
     from tunix_pipeline.train.rewards import RewardSet
 

@@ -70,7 +70,7 @@ def run_hf(root: Path, label: str, max_gen_toks: int, threads: int) -> dict:
     from tunix_pipeline.config import HarnessParams
     from tunix_pipeline.data.formatting import answer_rows
     from tunix_pipeline.evaluate import harness
-    from tunix_pipeline.evaluate.generation import scored_split
+    from tunix_pipeline.generate.generation import scored_split
 
     metrics = json.loads((root / "08_reporting/eval_metrics.json").read_text())
     documents = metrics["base"]["prompts"]  # what our evaluation scored: the first rows of the scored split

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     from tunix_pipeline.config import HarnessParams, RuntimeParams
     from tunix_pipeline.evaluate import harness
     from tunix_pipeline.models import load_pretrained
-    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.core.runtime import make_mesh
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_harness_"))
     folder, formatted = _rows(tmp, args.size)

@@ -69,7 +69,7 @@ def measure(folder: str, read: str, batch: int, dtype: str, prompts, completions
     import numpy as np
 
     from tunix_pipeline.config import JudgeParams
-    from tunix_pipeline.evaluate.generation import prompt_lengths
+    from tunix_pipeline.generate.generation import prompt_lengths
     from tunix_pipeline.train.judge import Judge
 
     judge = Judge(JudgeParams(source=folder, dtype=dtype, read=read, batch_size=batch, max_prompt_length=1024))

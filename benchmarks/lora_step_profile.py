@@ -113,7 +113,7 @@ def main() -> None:
     from tunix_pipeline.data.ingest import ingest
     from tunix_pipeline.data.tokenization import TOKEN_COLUMNS, tokenize_split
     from tunix_pipeline.models import load_run_model, load_tokenizer, resolve_model_dir
-    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.core.runtime import make_mesh
     from tunix_pipeline.train.loss import loss_fn_for, model_inputs
     from tunix_pipeline.train.optim import make_optimizer
 

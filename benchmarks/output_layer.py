@@ -80,7 +80,7 @@ def load(model_dir: str):
 
     from tunix_pipeline.config import LoraParams, RuntimeParams
     from tunix_pipeline.models import apply_lora, load_pretrained
-    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.core.runtime import make_mesh
 
     mesh = make_mesh(RuntimeParams(mesh="auto"), devices=jax.devices()[:1])
     model, tokenizer = load_pretrained(model_dir, mesh)

@@ -87,7 +87,7 @@ def test_the_trainer_builds_its_steps_with_the_cpu_compile_options():
     from flax import nnx
 
     from tunix_pipeline import upstream
-    from tunix_pipeline.run import runtime
+    from tunix_pipeline.core import runtime
 
     options = runtime.step_compiler_options()
     assert options == runtime.CPU_COMPILER_OPTIONS  # JAX runs on the CPU here

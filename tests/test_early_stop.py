@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tunix_pipeline.config import EvaluateParams, RuntimeParams
-from tunix_pipeline.evaluate import generation
+from tunix_pipeline.generate import generation
 from tunix_pipeline.upstream.generation import stop_string_table
 from tunix_pipeline.upstream.rows import ends_repeating, repeating
 
@@ -22,7 +22,7 @@ def lively(tiny_model_dir):
     from flax import nnx
 
     from tunix_pipeline.models import load_model
-    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.core.runtime import make_mesh
 
     mesh = make_mesh(MESH)
     model, _ = load_model(tiny_model_dir, mesh, "float32")

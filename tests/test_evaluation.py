@@ -10,7 +10,9 @@ from pydantic import ValidationError
 from tunix_pipeline import upstream
 from tunix_pipeline.config import EvaluateParams, ModelParams, RuntimeParams
 from tunix_pipeline.data import answers
-from tunix_pipeline.evaluate import evaluation, generation, sampling, significance
+from tunix_pipeline.evaluate import evaluation, significance
+from tunix_pipeline.generate import generation
+from tunix_pipeline.upstream import sampling
 from tunix_pipeline.evaluate.evaluation import (
     answers_match, exact_match, majority_answer, markdown_table, pass_at_k, score,
 )
@@ -306,7 +308,7 @@ def test_empty_eval_split_gives_a_report_not_a_crash():
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
     from tunix_pipeline.models import load_model
-    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.core.runtime import make_mesh
 
     mesh = make_mesh(MESH)
     model, _ = load_model(tiny_model_dir, mesh, "float32")
@@ -463,7 +465,7 @@ def test_gathered_weights_generate_the_same_tokens_and_leave_the_model_sharded(t
     import jax
     from flax import nnx
 
-    from tunix_pipeline.run.runtime import split_over_batch
+    from tunix_pipeline.core.runtime import split_over_batch
 
     model, mesh = tiny
     split = [x for x in jax.tree.leaves(nnx.state(model)) if split_over_batch(x)]

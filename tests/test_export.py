@@ -19,7 +19,7 @@ from tunix_pipeline.models import (
     parameter_counts,
 )
 from tunix_pipeline.models.families import family_for
-from tunix_pipeline.run.runtime import make_mesh
+from tunix_pipeline.core.runtime import make_mesh
 from tunix_pipeline.train.sft import train
 
 from .parity import logits_atol, reference_logits, sample_batch, save_hf_model

@@ -114,7 +114,7 @@ def test_few_shot_prompts_show_solved_training_rows_in_the_same_chat_and_format_
     from tunix_pipeline.data.answers import render
     from tunix_pipeline.data.formatting import few_shot_examples, format_few_shot
     from tunix_pipeline.data.ingest import ingest
-    from tunix_pipeline.run.errors import UserError
+    from tunix_pipeline.core.errors import UserError
 
     from .conftest import ROOT
 

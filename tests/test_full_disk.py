@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tunix_pipeline.run.disk_full import DiskFullError, disk_full_cause, disk_full_error
+from tunix_pipeline.core.disk_full import DiskFullError, disk_full_cause, disk_full_error
 
 KEDRO = str(Path(sys.executable).with_name("kedro"))
 # to SFT's end only (the shortest run that writes checkpoints): step 10's checkpoint fits in 6 MB beside the
@@ -146,7 +146,7 @@ def test_quiet_drops_the_reports_on_the_way_and_late_loop_callbacks(monkeypatch)
     node) are dropped, other errors kept; so is `Event loop is closed` from a callback nobody waits for."""
     import logging
 
-    from tunix_pipeline.run import quiet
+    from tunix_pipeline.core import quiet
 
     unraised = []
     monkeypatch.setattr(sys, "unraisablehook", unraised.append)

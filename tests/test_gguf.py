@@ -484,7 +484,7 @@ def test_real_gemma3_270m_gguf(gemma3_270m_dir):
 
 def test_the_plan_reads_a_gguf_sources_architecture_without_converting_it(tmp_path):
     from tunix_pipeline.config import ModelParams
-    from tunix_pipeline.planning.architecture import from_hf_config, resolve
+    from tunix_pipeline.models.architecture import from_hf_config, resolve
 
     source = tmp_path / "hf"
     source.mkdir()

@@ -8,7 +8,7 @@ import yaml
 
 from tunix_pipeline.config import ModelParams, PlanParams, RuntimeParams, SftParams, TokenizeParams
 from tunix_pipeline.planning import build_plan, markdown
-from tunix_pipeline.run.progress import Progress, step_throughput
+from tunix_pipeline.core.progress import Progress, step_throughput
 from tunix_pipeline.train.loop import BatchFeed
 from tunix_pipeline.train.preference import pair_token_counts
 

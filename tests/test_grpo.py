@@ -11,8 +11,8 @@ from flax import nnx
 
 from tunix_pipeline import upstream
 from tunix_pipeline.config import GrpoParams, LoraParams, RuntimeParams
-from tunix_pipeline.evaluate import generation
-from tunix_pipeline.run.runtime import make_mesh
+from tunix_pipeline.generate import generation
+from tunix_pipeline.core.runtime import make_mesh
 from tunix_pipeline.train import grpo
 from tunix_pipeline.train.loop import frozen_copy
 from tunix_pipeline.upstream.rl import algorithm

@@ -40,7 +40,7 @@ pytestmark = [
 def exported(gemma3_270m_dir, tmp_path_factory):
     """(the real 270M exported by us as a Hugging Face folder, a one-device mesh)."""
     from tunix_pipeline.models import export_pretrained, load_pretrained
-    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.core.runtime import make_mesh
 
     tmp = tmp_path_factory.mktemp("gsm8k_harness")
     mesh = make_mesh(RuntimeParams(mesh="auto"), devices=jax.devices()[:1])
@@ -101,7 +101,7 @@ def test_lm_evals_gsm8k_from_local_files_scores_the_same_through_our_backend_and
 def test_generation_prefill_makes_only_the_last_positions_logits(exported):
     """Our sampler's prefill never holds (batch, prompt, vocabulary) logits: XLA's own temporaries for a
     2 x 512-token prompt stay far below those 1 GB (float32, 262k words); Tunix's own prefill needs more."""
-    from tunix_pipeline.evaluate.generation import make_sampler
+    from tunix_pipeline.generate.generation import make_sampler
     from tunix_pipeline.models import load_pretrained
 
     folder, mesh = exported
@@ -138,7 +138,7 @@ def test_the_fair_score_is_the_same_from_our_evaluation_and_lm_evals_hf_backend(
     from tunix_pipeline.data.formatting import format_records
     from tunix_pipeline.data.ingest import ingest
     from tunix_pipeline.evaluate import evaluation
-    from tunix_pipeline.evaluate.generation import Generator, select_prompts
+    from tunix_pipeline.generate.generation import Generator, select_prompts
     from tunix_pipeline.models import load_pretrained
 
     folder, mesh = exported

@@ -28,7 +28,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from tunix_pipeline.config import EvaluateParams, FormatParams, HarnessParams, IngestParams, RuntimeParams, SourceParams  # noqa: E402
 from tunix_pipeline.evaluate import evaluation, harness  # noqa: E402
-from tunix_pipeline.run.errors import HarnessError  # noqa: E402
+from tunix_pipeline.core.errors import HarnessError  # noqa: E402
 
 from .conftest import ROOT  # noqa: E402
 
@@ -43,7 +43,7 @@ def setup(tiny_model_dir, tmp_path_factory):
     from tunix_pipeline.data.formatting import format_records
     from tunix_pipeline.data.ingest import ingest
     from tunix_pipeline.models import export_pretrained, load_pretrained
-    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.core.runtime import make_mesh
 
     folder = tmp_path_factory.mktemp("harness")
     varied = _redrawn(tiny_model_dir, folder / "varied")
@@ -132,7 +132,7 @@ def test_tagged_answer_prompts_generate_what_our_evaluation_generates(setup, tmp
     """The task's rows (BOS text dropped, the tokenizer adding the token) give the model the very prompts
     our own evaluation gives it: the same greedy texts, up to the special tokens `hf` decodes away."""
     from tunix_pipeline.config import EvaluateParams
-    from tunix_pipeline.evaluate.generation import Generator, select_prompts
+    from tunix_pipeline.generate.generation import Generator, select_prompts
 
     ours, _, formatted = setup
     steps = 8  # the prompts are 38-40 tokens: with 8 new ones they fit MAX_LENGTH uncut

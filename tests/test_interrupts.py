@@ -182,7 +182,7 @@ BARRIER_ALONE = """
 import sys, time
 import jax
 jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
-from tunix_pipeline.run.processes import ProcessesOutOfStep, barrier
+from tunix_pipeline.core.processes import ProcessesOutOfStep, barrier
 if jax.process_index() == 1:
     time.sleep(6)  # arrives too late
     sys.exit(0)

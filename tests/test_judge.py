@@ -100,7 +100,7 @@ def test_settings_are_checked_before_any_model_loads():
 def test_a_judge_that_cannot_resolve_here_is_refused_before_any_model_loads(tmp_path):
     """The GRPO and preference nodes build their rewards before the policy loads: a judge folder that does not
     exist, or a PyPI model that is not installed, stops the run there with the key to fix."""
-    from tunix_pipeline.models.errors import ModelError
+    from tunix_pipeline.core.errors import ModelError
 
     missing = RewardParams(fn="judge", weight=1.0, judge={"source": str(tmp_path / "no-such-judge")})
     with pytest.raises(ModelError, match="judge.source: model folder not found: .*no-such-judge"):

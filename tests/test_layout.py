@@ -1,6 +1,7 @@
-"""The package stays legible: no import cycle between its modules (imports inside functions count too), only the
-modules above the pipelines import them, no pipeline imports another, modules in packages by concern. Sizes and
-names are review guidance (CONTRIBUTING.md), not tests."""
+"""The package stays legible: its packages in layers, each importing only those below it (imports inside functions
+count too), no import cycle between its modules, few imports inside functions and each for an optional dependency,
+only the modules above the pipelines import them, no pipeline imports another, modules in packages by concern. Sizes
+and names are review guidance (CONTRIBUTING.md), not tests."""
 
 import ast
 from pathlib import Path
@@ -13,13 +14,24 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def import_nodes(tree: ast.AST):
+    """Every import statement, at load and inside functions, but not those under `if TYPE_CHECKING:` (annotations
+    only, never run)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        yield from import_nodes(node)
+
+
 def imports(path: Path, modules: set[str]) -> set[str]:
     """Our modules that `path` imports anywhere: at load and inside functions (an import moved into a function
     hides a circle, it does not remove it). Importing a package is an edge to its `__init__`, named as the package."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in import_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             # `from . import x` / `from ..y import z`: relative to the importing module's package
             base = package.rsplit(".", node.level - 1)[0] if node.level else ""
@@ -60,12 +72,67 @@ def test_import_edges_include_lazy_and_relative_imports():
     graph = package_graph()
     assert "tunix_pipeline.pipelines.sft.pipeline" in graph["tunix_pipeline.pipelines.sft"]  # `from .pipeline import`
     assert "tunix_pipeline.evaluate.harness_lm" in graph["tunix_pipeline.evaluate.harness"]  # imported inside a function
+    assert "tunix_pipeline.config" not in graph["tunix_pipeline.core.runtime"]  # under `if TYPE_CHECKING:` only
 
 
 def test_no_import_cycle():
     graph = package_graph()
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check itself finds one
     assert cycle(graph) is None, f"import cycle: {' -> '.join(cycle(graph))}"
+
+
+# The packages bottom to top (the README's layout, read upwards): each imports only its own layer and those below.
+LAYERS = (
+    {"core", "stages"},  # errors, paths, processes, runtime and mesh, progress, quieting; the stage registry (a leaf)
+    {"config"},
+    {"tracking"},
+    {"upstream"},
+    {"data"},
+    {"models"},
+    {"generate"},  # the sampler: stages and the evaluation generate through it
+    {"train"},
+    {"evaluate"},
+    {"planning"},
+    {"run"},  # what runs the pipeline: hooks, preflight, sessions, the config loader
+    {"pipelines"},
+    {"__init__", "__main__", "cli", "pipeline_registry", "settings"},  # Kedro's entry points
+)
+
+
+def layer_of(name: str) -> int:
+    part = (name.split(".") + ["__init__"])[1]
+    return next(i for i, layer in enumerate(LAYERS) if part in layer)
+
+
+def test_no_package_imports_one_above_it():
+    assert layer_of("tunix_pipeline") == layer_of("tunix_pipeline.cli") > layer_of("tunix_pipeline.run.hooks")
+    upward = sorted(f"{name} -> {dep}" for name, deps in package_graph().items() for dep in deps
+                    if layer_of(dep) > layer_of(name))
+    assert not upward, f"imports of a layer above (tests/test_layout.py: LAYERS): {upward}"
+
+
+# What an import inside a function may load: optional dependencies, which a run without their extra never needs
+OPTIONAL = ("lm_eval", "tunix_pipeline.evaluate.harness_lm", "fsspec", "google.cloud", "kagglehub")
+
+
+def test_imports_inside_functions_are_few_and_each_for_an_optional_dependency():
+    """An import inside a function hides a cycle or a slow start more often than it saves one: at most 3 per 1,000
+    lines, each of an optional dependency (`OPTIONAL`) with its reason beside it."""
+    found, lines = [], 0
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        lines += text.count("\n")
+        source = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for inner in import_nodes(node):
+                    module = inner.module if isinstance(inner, ast.ImportFrom) else inner.names[0].name
+                    found.append((f"{path.relative_to(PACKAGE)}:{inner.lineno}", module or "",
+                                  "#" in source[inner.end_lineno - 1]))
+    assert len(found) <= 3 * lines / 1000, f"{len(found)} imports inside functions in {lines} lines"
+    unexplained = [where for where, module, commented in found
+                   if not module.startswith(OPTIONAL) or not commented]
+    assert not unexplained, f"import these at the module's top (or add the optional dependency to OPTIONAL, with a comment beside the import): {unexplained}"
 
 
 # the Kedro project's top: they assemble the pipelines or hook into their nodes, so they sit above them

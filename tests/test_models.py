@@ -7,7 +7,7 @@ from safetensors.numpy import load_file
 
 from tunix_pipeline.config import ModelParams, RuntimeParams, TinyModelParams
 from tunix_pipeline.models import ModelError, build_tiny_gemma, load_model, resolve_model_dir
-from tunix_pipeline.run.runtime import make_mesh
+from tunix_pipeline.core.runtime import make_mesh
 
 CORPUS = ["Ada has 3 apples. 3 + 1 = 4.", "<reasoning>2 * 3 = 6</reasoning><answer>6</answer>"] * 20
 

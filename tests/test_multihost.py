@@ -23,7 +23,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from tunix_pipeline.run.runtime import orbax_folders
+from tunix_pipeline.core.runtime import orbax_folders
 
 from .conftest import ROOT, copy_project
 
@@ -97,8 +97,8 @@ ON_MAIN = """
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 from tunix_pipeline.config import DistributedParams
-from tunix_pipeline.run.processes import on_main_process
-from tunix_pipeline.run.runtime import initialize_distributed
+from tunix_pipeline.core.processes import on_main_process
+from tunix_pipeline.core.runtime import initialize_distributed
 initialize_distributed(DistributedParams(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2])))
 print("wrote:", on_main_process("demo", lambda: "done"))
 def fail():
@@ -128,7 +128,7 @@ sys.path.insert(0, sys.argv[4])
 import fsspec
 from tests.fake_gcs import BucketFolders
 from tunix_pipeline.config import DistributedParams
-from tunix_pipeline.run.runtime import FolderNotShared, check_shared_folders, initialize_distributed
+from tunix_pipeline.core.runtime import FolderNotShared, check_shared_folders, initialize_distributed
 root, pid = sys.argv[3], int(sys.argv[2])
 BucketFolders.root = f"{root}/bucket"
 for protocol in ("gs", "gcs"):

@@ -13,7 +13,7 @@ from tunix_pipeline.config import LoraParams, ModelParams, PlanParams, RuntimePa
 from tunix_pipeline.planning import (
     DoesNotFit, TrainSetup, build_plan, estimate_memory, from_hf_config, markdown, resolve, xla,
 )
-from tunix_pipeline.planning.architecture import lora_targets
+from tunix_pipeline.models.architecture import lora_targets
 from tunix_pipeline.planning.job import Job
 from tunix_pipeline.planning.memory import GIB
 from tunix_pipeline.planning.plan import evaluate, make_plan
@@ -344,7 +344,7 @@ def test_the_plans_adapter_count_is_the_models(tmp_path, family):
 
     from tunix_pipeline.models import load_run_model, parameter_counts
     from tunix_pipeline.models.hub import read_hf_config
-    from tunix_pipeline.planning.architecture import from_hf_config
+    from tunix_pipeline.models.architecture import from_hf_config
 
     from .parity import save_hf_model
 

@@ -9,7 +9,7 @@ import pytest
 
 from tunix_pipeline.config import ExportParams, HardwareProfile, ModelParams, TrackingParams
 from tunix_pipeline.config.training import CheckpointSettings, OptimizerSettings
-from tunix_pipeline.planning.architecture import from_hf_config
+from tunix_pipeline.models.architecture import from_hf_config
 from tunix_pipeline.planning.disk import check, kept, location, plan_disk
 from tunix_pipeline.planning.memory import TrainSetup
 from tunix_pipeline.train.final_weights import copy_final_weights, keep_for_next_session

@@ -211,7 +211,7 @@ def test_dpo_resumes_and_precomputed_reference_equals_the_reference_model(tmp_pa
     """
     from tunix_pipeline.config import RuntimeParams
     from tunix_pipeline.models import load_model
-    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.core.runtime import make_mesh
     from tunix_pipeline.train import pairs, preference
 
     mesh = make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
@@ -243,7 +243,7 @@ def test_orpo_with_lora_trains_only_the_adapters(tmp_path, tiny_model_dir, token
 
     from tunix_pipeline.config import LoraParams, RuntimeParams
     from tunix_pipeline.models import apply_lora, load_model
-    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.core.runtime import make_mesh
     from tunix_pipeline.train import pairs, preference
 
     mesh = make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
@@ -288,7 +288,7 @@ def test_pairs_from_rewards_keep_best_and_worst_beyond_the_margin(tmp_path, tiny
     from tunix_pipeline.config import RewardParams, RuntimeParams
     from tunix_pipeline.data.formatting import end_of_turn
     from tunix_pipeline.models import load_model
-    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.core.runtime import make_mesh
     from tunix_pipeline.train import pairs
     from tunix_pipeline.train.rewards import RewardSet
 
@@ -419,7 +419,7 @@ def test_sessions_hand_on_the_last_stage_of_the_previous_session(tmp_path):
 
 def test_too_few_pairs_stop_before_any_weights_load(tmp_path, tokenizer):
     from tunix_pipeline.config import RuntimeParams
-    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.core.runtime import make_mesh
     from tunix_pipeline.train import preference
     from tunix_pipeline.train.pairs import why_too_few
     from tunix_pipeline.train.skips import NothingToLearn

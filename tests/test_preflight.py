@@ -14,8 +14,8 @@ from kedro.config import OmegaConfigLoader
 
 from tunix_pipeline.config import EvaluateParams, HarnessParams, JudgeParams, ModelParams, RewardParams, SftParams
 from tunix_pipeline.config.validation import ConfigError
-from tunix_pipeline.models.errors import ModelError
-from tunix_pipeline.run.errors import HarnessError, UserError
+from tunix_pipeline.core.errors import ModelError
+from tunix_pipeline.core.errors import HarnessError, UserError
 from tunix_pipeline.run.preflight import (
     check_harness, check_init_from, check_lengths, check_previous_root, check_reached_stages, check_rewards,
     model_max_positions, reached_stages,

@@ -25,9 +25,9 @@ from tunix_pipeline.models import (
 )
 from tunix_pipeline.models.gguf import sha256_file
 from tunix_pipeline.models.hub import read_hf_config
-from tunix_pipeline.planning.architecture import from_hf_config
-from tunix_pipeline.planning.architecture import resolve as resolve_architecture
-from tunix_pipeline.run.runtime import make_mesh
+from tunix_pipeline.models.architecture import from_hf_config
+from tunix_pipeline.models.architecture import resolve as resolve_architecture
+from tunix_pipeline.core.runtime import make_mesh
 from tunix_pipeline.train.sft import train
 
 from .parity import logits_atol

@@ -455,7 +455,7 @@ def test_a_misconfigured_recipe_fails_with_a_clear_message(params):
     with pytest.raises(PlanError, match="needs the number of training rows to plan the steps: set plan.train_rows"):
         build_plan(p["model"], p["sft"], p["runtime"], p["tokenize"], p["plan"].model_copy(update={"train_rows": None}))
     # the pod recipe started on one worker without runtime.distributed=auto: it sees its own chips only
-    from tunix_pipeline.run.runtime import MeshError, make_mesh
+    from tunix_pipeline.core.runtime import MeshError, make_mesh
 
     with pytest.raises(MeshError, match=r"needs 32 devices but JAX sees 8.*runtime\.distributed=auto"):
         make_mesh(params["v4_64_pod"]["runtime"])
@@ -463,7 +463,7 @@ def test_a_misconfigured_recipe_fails_with_a_clear_message(params):
 
 def test_training_by_epochs_runs_those_steps_and_ends_at_a_barrier(tiny_model_dir, tmp_path, monkeypatch):
     from tunix_pipeline.models import load_model
-    from tunix_pipeline.run import runtime
+    from tunix_pipeline.core import runtime
     from tunix_pipeline.train import checkpoints, loop
     from tunix_pipeline.train.sft import train
 

@@ -184,7 +184,7 @@ def test_a_lora_run_starts_from_another_runs_adapters(tmp_path, tiny_model_dir, 
     from tunix_pipeline.config import ModelParams, SftParams, TokenizeParams
     from tunix_pipeline.data.tokenization import tokenize_split
     from tunix_pipeline.models import load_run_model
-    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.core.runtime import make_mesh
     from tunix_pipeline.train.checkpoints import start_from
     from tunix_pipeline.train.sft import train
 

@@ -1,4 +1,4 @@
-"""A terminal worth reading (`tunix_pipeline.run.quiet`); the smoke run's own terminal: tests/test_smoke.py."""
+"""A terminal worth reading (`tunix_pipeline.core.quiet`); the smoke run's own terminal: tests/test_smoke.py."""
 
 import logging
 import re
@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from tunix_pipeline.run import quiet
+from tunix_pipeline.core import quiet
 
 
 LOG_LINE = re.compile(r"^LOG\|(WARNING|ERROR|CRITICAL)\|([^|]*)\|([^|]*)\|(.*)$")
@@ -61,7 +61,7 @@ find_spec = importlib.util.find_spec
 importlib.util.find_spec = lambda name, *a, **k: None if name.split(".")[0] == "torch" else find_spec(name, *a, **k)
 sys.modules["torch"] = None
 if sys.argv[1] == "quiet":
-    from tunix_pipeline.run import quiet
+    from tunix_pipeline.core import quiet
     quiet.install()
 import transformers
 """

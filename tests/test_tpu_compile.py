@@ -126,7 +126,7 @@ def test_every_familys_activation_shardings_reach_the_tpu_compile(name):
     import jax.numpy as jnp
     from flax import nnx
 
-    from tunix_pipeline.run.runtime import make_mesh
+    from tunix_pipeline.core.runtime import make_mesh
     from tunix_pipeline.upstream import accelerator_sharding
 
     from .test_logps import tiny_model

@@ -19,7 +19,7 @@ from tunix_pipeline.config import RuntimeParams, SftParams, TokenizeParams
 from tunix_pipeline.data.tokenization import token_arrays, tokenize_split
 from tunix_pipeline.evaluate.evaluation import evaluate_loss
 from tunix_pipeline.models import compute_logits, load_model
-from tunix_pipeline.run.runtime import MeshError, global_batch_size, make_mesh, process_rows
+from tunix_pipeline.core.runtime import MeshError, global_batch_size, make_mesh, process_rows
 from tunix_pipeline.train.checkpoints import restore_latest
 from tunix_pipeline.train.loop import BatchFeed
 from tunix_pipeline.train.loss import completion_loss, model_inputs
@@ -240,7 +240,7 @@ def test_logged_mfu_is_the_plans_mfu_without_a_hand_set_peak(tiny_model_dir, tok
     from tunix_pipeline.config import LoraParams, ModelParams, PlanParams
     from tunix_pipeline.models import load_run_model
     from tunix_pipeline.planning import peak_flops_per_device
-    from tunix_pipeline.planning.architecture import resolve
+    from tunix_pipeline.models.architecture import resolve
     from tunix_pipeline.planning.job import make_job
 
     plan = PlanParams(**yaml.safe_load((ROOT / "conf" / "base" / "parameters_plan.yml").read_text())["plan"])

@@ -31,7 +31,7 @@ from tunix_pipeline.models import apply_lora, compute_logits, load_model
 from tunix_pipeline.models.families.gemma2 import Gemma2
 from tunix_pipeline.models.families.gemma3 import Gemma3Text
 from tunix_pipeline.pipelines.export.nodes import export_model
-from tunix_pipeline.run.runtime import make_mesh
+from tunix_pipeline.core.runtime import make_mesh
 from tunix_pipeline.train.grpo import prepare, train_grpo
 from tunix_pipeline.train.sft import train
 

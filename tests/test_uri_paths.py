@@ -11,9 +11,9 @@ from flax import nnx
 from tunix_pipeline.config import ExportParams, FormatParams, ModelParams, RuntimeParams
 from tunix_pipeline.models import load_model, load_pretrained
 from tunix_pipeline.pipelines.export.nodes import export_model
-from tunix_pipeline.run.errors import UserError
-from tunix_pipeline.run.paths import storage_path
-from tunix_pipeline.run.runtime import make_mesh
+from tunix_pipeline.core.errors import UserError
+from tunix_pipeline.core.paths import storage_path
+from tunix_pipeline.core.runtime import make_mesh
 from tunix_pipeline.run.sessions import Ledger, apply_current_session
 from tunix_pipeline.train.checkpoints import restore_latest, start_from
 from tunix_pipeline.train.sft import train

@@ -6,7 +6,7 @@ import pytest
 from tunix_pipeline.config import SftParams, TokenizeParams, TrackingParams
 from tunix_pipeline.data.tokenization import tokenize_split
 from tunix_pipeline.models import load_model
-from tunix_pipeline.run.runtime import make_mesh
+from tunix_pipeline.core.runtime import make_mesh
 from tunix_pipeline.tracking.step_metrics import MlflowBackend, metrics_backends
 from tunix_pipeline.train.sft import train
 

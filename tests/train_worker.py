@@ -28,7 +28,7 @@ from flax import nnx  # noqa: E402
 
 from tunix_pipeline.config import RuntimeParams, SftParams  # noqa: E402
 from tunix_pipeline.models import load_model  # noqa: E402
-from tunix_pipeline.run import runtime  # noqa: E402
+from tunix_pipeline.core import runtime  # noqa: E402
 from tunix_pipeline.train import loop
 from tunix_pipeline.train.sft import train
 

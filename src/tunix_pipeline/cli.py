@@ -1,6 +1,6 @@
 """Project CLI: `kedro run` (and `python -m tunix_pipeline`) with user errors as one message.
 
-A user error (`tunix_pipeline.run.errors.UserError`: bad data, a model that cannot load, a mesh
+A user error (`tunix_pipeline.core.errors.UserError`: bad data, a model that cannot load, a mesh
 that cannot be built, a run that cannot fit; or parameters that fail validation) prints its
 message and exits 1; its text already says what, where and how to fix it, so a screen of
 traceback would only hide it. A full disk or quota, in any stage and whichever library wrote, is a user error
@@ -15,10 +15,12 @@ import sys
 
 import click
 from kedro.framework.cli.project import run as kedro_run
+from kedro.framework.project import settings
 from kedro.validation.exceptions import ParameterValidationError
 
-from tunix_pipeline.run.disk_full import disk_full_cause, disk_full_error
-from tunix_pipeline.run.errors import TrainingInterrupted, UserError
+from tunix_pipeline.core.disk_full import disk_full_cause, disk_full_error
+from tunix_pipeline.core.errors import TrainingInterrupted, UserError
+from tunix_pipeline.tracking.mlflow_runs import kedro_command
 
 USER_ERRORS = (UserError, ParameterValidationError)
 
@@ -40,8 +42,6 @@ def _run(verbose: bool = False, **kwargs):
     except USER_ERRORS as err:
         raise click.ClickException(str(err)) from None
     except TrainingInterrupted as err:
-        from tunix_pipeline.tracking.mlflow_runs import kedro_command  # mlflow is loaded by now; not at every command
-
         click.echo(err.message(kedro_command({})), err=True)
         sys.exit(err.exit_status)
     except Exception as err:
@@ -53,8 +53,6 @@ def _run(verbose: bool = False, **kwargs):
 def _run_params() -> dict:
     """The failed run's resolved parameters, as the project's hooks read them when its context was created (they
     name the setting of the folder that filled up); empty before that."""
-    from kedro.framework.project import settings
-
     return next((hook._params for hook in settings.HOOKS if getattr(hook, "_params", None)), {})
 
 

@@ -1,6 +1,6 @@
 """Kedro project settings."""
 
-from tunix_pipeline.run import quiet
+from tunix_pipeline.core import quiet
 
 quiet.install()  # before the imports below and before Kedro builds its config loader: they warn
 

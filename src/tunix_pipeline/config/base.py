@@ -2,12 +2,13 @@
 
 from typing import Annotated
 
+from omegaconf import OmegaConf
 from pydantic import AfterValidator, BaseModel, ConfigDict
+
+from tunix_pipeline.core.paths import location_problem
 
 
 def _reachable(value: str) -> str:
-    from tunix_pipeline.run.paths import location_problem
-
     if (problem := location_problem(value)) is not None:
         raise ValueError(problem)
     return value
@@ -26,8 +27,6 @@ class Strict(BaseModel):
     def changed(self, *changes: dict | None):
         """This section with `changes` (a session's, as `sessions.plan` writes them) merged over it, nested keys
         included, and validated again."""
-        from omegaconf import OmegaConf
-
         changes = [c for c in changes if c]
         if not changes:
             return self

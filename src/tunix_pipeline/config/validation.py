@@ -13,7 +13,7 @@ import typing
 
 from pydantic import BaseModel, ValidationError
 
-from tunix_pipeline.run.errors import UserError
+from tunix_pipeline.core.errors import UserError
 
 M = typing.TypeVar("M", bound=BaseModel)
 

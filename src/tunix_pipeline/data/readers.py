@@ -12,11 +12,13 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import datasets
 import pandas as pd
+import pyarrow
 
 from tunix_pipeline.config import SourceParams
+from tunix_pipeline.core.errors import UserError
 from tunix_pipeline.data.fields import BadRow, json_type, paths, top_column
-from tunix_pipeline.run.errors import UserError
 
 # Canonical fields each format reads (optional ones may be absent or empty).
 FORMAT_FIELDS = {
@@ -189,8 +191,6 @@ def _blank_cells(cells: list[str]) -> bool:
 
 
 def _parquet_rows(source: SourceParams, path: Path) -> Rows:
-    import pyarrow
-
     try:
         frame = pd.read_parquet(path)
     except (OSError, ValueError, pyarrow.ArrowException) as err:
@@ -209,8 +209,6 @@ def _read_hub(source: SourceParams, seed: int) -> Rows:
     """A hub dataset's rows. With `max_rows` it is streamed: nothing is downloaded or prepared
     beyond the rows taken (the caller stops after `max_rows`), so later shards are never opened;
     without, the whole split is prepared once (and cached) as `datasets` does."""
-    import datasets
-
     hf, where = source.hf, f"{source.hf.path}[{source.hf.split}]"
     streaming = source.max_rows is not None
     call = f"datasets.load_dataset({hf.path!r}, {hf.name!r}, split={hf.split!r}, streaming={streaming})"

@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from tunix_pipeline.config import TokenizeParams
-from tunix_pipeline.models.errors import ModelError
+from tunix_pipeline.core.errors import ModelError
 
 TOKEN_COLUMNS = ["id", "input_tokens", "loss_mask", "segment_ids", "positions"]
 

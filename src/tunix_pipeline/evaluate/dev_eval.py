@@ -19,8 +19,11 @@ import pandas as pd
 from etils import epath
 
 from tunix_pipeline.config import DevEvalParams, EvaluateParams
-from tunix_pipeline.run.errors import UserError
+from tunix_pipeline.core.errors import UserError
+from tunix_pipeline.evaluate.evaluation import score
+from tunix_pipeline.generate.generation import Generator, select_prompts
 from tunix_pipeline.stages import SFT
+from tunix_pipeline.tracking.step_metrics import MlflowBackend
 from tunix_pipeline.train import checkpoints
 from tunix_pipeline.train.checkpoints import DEV_CURVE_FILE as CURVE_FILE
 from tunix_pipeline.train.checkpoints import best_step
@@ -60,8 +63,6 @@ class DevEval:
 
     def __init__(self, settings: DevEvalParams, tokenizer, eval_formatted: pd.DataFrame | None, stage: str,
                  decode_weights: str = "sharded"):
-        from tunix_pipeline.evaluate.generation import select_prompts
-
         self.settings, self.stage, self.tokenizer, self.decode_weights = settings, stage, tokenizer, decode_weights
         self.params = EvaluateParams(num_prompts=settings.prompts, max_new_tokens=settings.max_new_tokens,
                                      batch_size=settings.batch_size, compare_base_model=False)
@@ -107,9 +108,6 @@ class DevEval:
 
     def measure(self, step: int, mesh, metrics_logger=None) -> dict:
         """Scores the model as it is now (step `step`), adds the point to the curve and saves the curve."""
-        from tunix_pipeline.evaluate.evaluation import score
-        from tunix_pipeline.evaluate.generation import Generator
-
         if self._generator is None:
             self._generator = Generator(self.model, self.tokenizer, self.params, self.prompt_length,
                                         self.decode_weights)
@@ -145,8 +143,6 @@ def metric_prefix(stage: str) -> str:
 def log_curve(curve: list[dict], stage: str) -> None:
     """`stage`'s dev curve in the active MLflow run, each point it lacks: one measured after the trainer's metrics
     backends closed, or by an earlier session of a resumed run."""
-    from tunix_pipeline.tracking.step_metrics import MlflowBackend
-
     backend = MlflowBackend()
     for metric in METRICS:
         backend.fill_gaps(f"{metric_prefix(stage)}/dev/{metric}".lstrip("/"), curve, key=metric)

@@ -33,17 +33,21 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import jax
+import mlflow
 import numpy as np
 import pandas as pd
 from flax import nnx
+from matplotlib.figure import Figure
 
 from tunix_pipeline.config import EvaluateParams
+from tunix_pipeline.core.runtime import process_rows, shard_rows
 from tunix_pipeline.data.answers import answers_match, clean, normal, readings
 from tunix_pipeline.data.formatting import is_open_ended
-from tunix_pipeline.evaluate.generation import Generator, select_prompts
 from tunix_pipeline.evaluate.significance import mcnemar, wilson_interval
-from tunix_pipeline.run.runtime import process_rows, shard_rows
+from tunix_pipeline.generate.generation import Generator, select_prompts
 from tunix_pipeline.stages import BY_NAME, Stage
+from tunix_pipeline.tracking.mlflow_runs import mlflow_name
 from tunix_pipeline.train.loop import eval_batches
 from tunix_pipeline.train.loss import model_inputs, token_nll
 
@@ -323,7 +327,6 @@ class Evaluator:
                          self.loss_batch_size, self.judge, self.decode_weights)
 
     def measure(self, label: str) -> tuple[dict, pd.DataFrame]:
-
         metrics: dict = {"eval_loss": None, "eval_perplexity": None, "eval_tokens": 0}
         if len(self.eval_tokens):
             loss = evaluate_loss(self.model, self.eval_tokens, self.loss_batch_size, self.mesh)
@@ -363,8 +366,6 @@ def empty_report(reason: str) -> str:
 def training_curves(histories: dict[str, list[dict] | None], titles: dict[str, str] | None = None):
     """A matplotlib figure, a panel per stage that has a history ({stage name: its per-step history}, in the
     stages' order; the first stage's panel always): each stage's `curves` against the step."""
-    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
-
     drawn = [(BY_NAME[name], history) for name, history in histories.items()
              if history or BY_NAME[name].parent is None]
     fig = Figure(figsize=(6 * len(drawn), 4))
@@ -398,10 +399,5 @@ def _panel(ax, stage: Stage, history: list[dict]) -> None:
 
 def log_figure(fig, name: str) -> None:
     """The figure as a PNG artifact of the active MLflow run (process 0 only); no run: nothing."""
-    import jax
-    import mlflow
-
-    from tunix_pipeline.tracking.mlflow_runs import mlflow_name
-
     if mlflow.active_run() is not None and jax.process_index() == 0:
         mlflow.log_figure(fig, mlflow_name(name))

@@ -23,14 +23,17 @@ import logging
 import tempfile
 from pathlib import Path
 
+import jax
 import pandas as pd
+import yaml
+from transformers import AutoConfig
 
 from tunix_pipeline.config import HarnessParams
 from tunix_pipeline.config.validation import closest
+from tunix_pipeline.core.errors import HarnessError
 from tunix_pipeline.data.formatting import answer_rows
 from tunix_pipeline.evaluate.evaluation import markdown_table
-from tunix_pipeline.evaluate.generation import scored_split
-from tunix_pipeline.run.errors import HarnessError
+from tunix_pipeline.generate.generation import scored_split
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +43,7 @@ TAGGED_TASK = "tagged_answer"
 
 def _lm_eval():
     try:
-        import lm_eval
+        import lm_eval  # optional: the lm-eval extra
     except ImportError as err:
         raise HarnessError(
             'evaluate.harness.enabled needs lm-evaluation-harness: pip install -e ".[lm-eval]" '
@@ -52,8 +55,6 @@ def _lm_eval():
 def check(params: HarnessParams) -> None:
     """Fails before any model loads (and before the run starts: `preflight`): lm-eval missing, a task it does not
     know, a task file missing, or several JAX processes."""
-    import jax
-
     _lm_eval()
     for task in params.tasks:
         if task.endswith((".yaml", ".yml")) and not Path(task).is_file():
@@ -88,8 +89,6 @@ def write_rows(formatted: pd.DataFrame, tokenizer, path: Path) -> Path:
 
 def task_specs(tasks: list[str], rows: Path | None, data_files: dict | None = None) -> tuple[list, list[str]]:
     """(what lm-eval loads: names or task configs, folders holding task YAML files to index)."""
-    import yaml
-
     specs, include = [], []
     for task in tasks:
         if task in (data_files or {}):
@@ -98,7 +97,7 @@ def task_specs(tasks: list[str], rows: Path | None, data_files: dict | None = No
             if rows is None:
                 raise HarnessError(f"evaluate.harness: the {TAGGED_TASK} task needs eval rows with an answer "
                                    "(ingest.eval_fraction > 0; open-ended rows have none)")
-            from lm_eval.tasks._yaml_loader import load_yaml  # lm-eval's own reader: it resolves `!function`
+            from lm_eval.tasks._yaml_loader import load_yaml  # optional (lm-eval); its reader resolves `!function`
 
             config = load_yaml(str(TASKS_DIR / f"{TAGGED_TASK}.yaml"), resolve_func=True)
             # the rows' Arrow cache beside them (a temporary folder), not in ~/.cache
@@ -115,8 +114,8 @@ def task_specs(tasks: list[str], rows: Path | None, data_files: dict | None = No
 def local_task(name: str, files: dict[str, str]) -> dict:
     """lm-eval's own config of task `name` (its YAML, includes resolved, as lm-eval reads it) with its dataset
     read from local JSON lines files, one per split: the prompt, few-shot split, filters and metrics are lm-eval's."""
-    from lm_eval.tasks._index import Kind
-    from lm_eval.tasks._yaml_loader import load_yaml  # lm-eval's own reader (includes, !function)
+    from lm_eval.tasks._index import Kind  # optional: the lm-eval extra
+    from lm_eval.tasks._yaml_loader import load_yaml  # optional (lm-eval); its reader (includes, !function)
 
     entry = _task_manager((), builtin=True).task_index.get(name)
     if entry is None or not entry.yaml_path or entry.kind != Kind.TASK:
@@ -131,7 +130,7 @@ def local_task(name: str, files: dict[str, str]) -> dict:
 def make_lm(model, tokenizer, mesh, params: HarnessParams, model_dir: str | Path):
     """The backend for the model loaded from `model_dir` (its config.json gives the context and EOS ids)."""
     _lm_eval()
-    from tunix_pipeline.evaluate.harness_lm import JaxLM
+    from tunix_pipeline.evaluate.harness_lm import JaxLM  # optional: subclasses lm-eval's model (the lm-eval extra)
 
     return JaxLM(model, tokenizer, mesh, params.batch_size, model_max_length(model_dir, params), params.seed,
                  generation_eos_ids(model_dir))
@@ -152,8 +151,7 @@ def model_max_length(model_dir: str | Path, params: HarnessParams) -> int:
     """`harness.max_length`, else the model's context as lm-eval's HF backend reads it from config.json."""
     if params.max_length:
         return params.max_length
-    from lm_eval.models.utils import resolve_max_length
-    from transformers import AutoConfig
+    from lm_eval.models.utils import resolve_max_length  # optional: the lm-eval extra
 
     return resolve_max_length(AutoConfig.from_pretrained(model_dir), None)
 
@@ -162,7 +160,7 @@ def model_max_length(model_dir: str | Path, params: HarnessParams) -> int:
 def evaluate(lm, params: HarnessParams, rows: Path | None, samples: bool = False) -> dict:
     """lm-eval's `simple_evaluate` on `lm`: {"scores": {task: {metric: value}}, "settings": ...}; with `samples`,
     also each document's generation and what each filter read from it: {"samples": {task: [...]}}."""
-    from lm_eval import evaluator
+    from lm_eval import evaluator  # optional: the lm-eval extra
 
     specs, include = task_specs(params.tasks, rows, params.data_files)
     manager = _task_manager(tuple(include), builtin=any(isinstance(spec, str) for spec in specs))
@@ -195,7 +193,7 @@ def write_samples(samples: dict[str, list[dict]], folder: Path, label: str) -> N
 @functools.cache
 def _task_manager(include: tuple[str, ...], builtin: bool):
     """lm-eval's task index: its built-in tasks only when a task is named (indexing them takes seconds)."""
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # optional: the lm-eval extra
 
     return TaskManager(include_path=list(include) or None, include_defaults=builtin)
 
@@ -212,7 +210,7 @@ def prepends_bos(lm) -> bool:
 
 def settings(result: dict, params: HarnessParams, lm) -> dict:
     """What a reader needs to compare these scores with others."""
-    import lm_eval
+    import lm_eval  # optional: the lm-eval extra
 
     samples = {task: v.get("effective") for task, v in result.get("n-samples", {}).items()}
     return {

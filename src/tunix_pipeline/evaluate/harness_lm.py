@@ -6,13 +6,17 @@ from __future__ import annotations
 import functools
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from lm_eval.api.model import TemplateLM
 from lm_eval.models import utils as lm_utils
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tunix.sft import utils as sft_utils
 
-from tunix_pipeline.evaluate.generation import make_sampler, next_power_of_two, sampling_args
-from tunix_pipeline.run.errors import HarnessError
+from tunix_pipeline.core.errors import HarnessError
+from tunix_pipeline.generate.generation import make_sampler, next_power_of_two, sampling_args
 
 MIN_BUCKET = 16  # shortest padded length: fewer tiny buckets, each one a compile
 
@@ -165,11 +169,6 @@ class JaxLM(TemplateLM):
 @functools.cache
 def _logprobs_fn():
     """log p(target) and argmax == target at each position: the (B, L, V) log-softmax never leaves the device."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from tunix.sft import utils as sft_utils
-
     @nnx.jit
     def logprobs(model, tokens, mask, targets):
         mask = mask.astype(bool)

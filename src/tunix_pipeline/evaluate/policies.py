@@ -8,14 +8,15 @@ import logging
 import pandas as pd
 
 from tunix_pipeline.config import EvaluateParams, ModelParams, RuntimeParams
+from tunix_pipeline.core.paths import storage_path
+from tunix_pipeline.core.runtime import make_mesh
 from tunix_pipeline.data.formatting import few_shot_label
 from tunix_pipeline.evaluate import evaluation
 from tunix_pipeline.evaluate import harness as harness_lib
 from tunix_pipeline.models import load_run_model, load_tokenizer
-from tunix_pipeline.run.paths import storage_path
-from tunix_pipeline.run.runtime import make_mesh
 from tunix_pipeline.stages import SFT, Stage, selected_step
 from tunix_pipeline.train.checkpoints import restore_required
+from tunix_pipeline.train.judge import Judge
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,6 @@ def _judge(params: EvaluateParams, mesh):
     """The judge (its model loads on first use), one per evaluation node; None without `evaluate.judge`."""
     if params.judge is None:
         return None
-    from tunix_pipeline.train.judge import Judge  # imported only when configured: it brings a second model's code
 
     return Judge(params.judge, mesh)
 
@@ -132,7 +132,6 @@ def evaluate_after(stage: Stage):
     the preference stage's), both here (one compiled sampler serves both), so the stage's pipeline runs from a
     checkpoint alone; the base model is in the first evaluation's report, and paired against here when its samples
     (`eval_samples`) are there."""
-
     def evaluate_after_stage(
         eval_tokens: pd.DataFrame,
         eval_formatted: pd.DataFrame,

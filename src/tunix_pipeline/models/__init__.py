@@ -6,7 +6,7 @@ Gemma with random weights and a tokenizer trained on the project's data).
 The same loader reads both.
 """
 
-from tunix_pipeline.models.errors import ModelError
+from tunix_pipeline.core.errors import ModelError
 from tunix_pipeline.models.hub import check_folder, load_tokenizer, read_hf_config, resolve_model_dir
 from tunix_pipeline.models.loading import compute_logits, load_model, load_pretrained, model_summary, tunix_config
 from tunix_pipeline.models.lora import apply_lora, load_run_model, merge_lora, parameter_counts

@@ -7,13 +7,17 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+from huggingface_hub.serialization import split_state_dict_into_shards_factory
+from safetensors.numpy import save_file
+from transformers import GenerationConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from tunix_pipeline.core.paths import atomic_folder
+from tunix_pipeline.core.processes import on_main_process
 from tunix_pipeline.models.families import family_for
 from tunix_pipeline.models.gguf_export import write_gguf
 from tunix_pipeline.models.loading import origin_of
 from tunix_pipeline.models.lora import merge_lora
-from tunix_pipeline.run.paths import atomic_folder
-from tunix_pipeline.run.processes import on_main_process
 
 MAX_SHARD_SIZE = "2GB"
 
@@ -60,10 +64,6 @@ def export_pretrained(
 
 
 def _write(state: dict, out_dir, tokenizer, hf_config: dict, max_shard_size) -> None:
-    from huggingface_hub.serialization import split_state_dict_into_shards_factory
-    from safetensors.numpy import save_file
-    from transformers import GenerationConfig
-
     dtype = str(next(iter(state.values())).dtype)
     with atomic_folder(out_dir) as tmp:
         split = split_state_dict_into_shards_factory(
@@ -81,7 +81,6 @@ def _write(state: dict, out_dir, tokenizer, hf_config: dict, max_shard_size) -> 
         config = {k: v for k, v in hf_config.items() if k not in ("torch_dtype", "dtype")}
         config["dtype"] = dtype
         if not config.get("architectures"):  # a built or GGUF-converted config has none; MLflow and vLLM read it
-            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
             config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]]
         (tmp / "config.json").write_text(json.dumps(config, indent=2))

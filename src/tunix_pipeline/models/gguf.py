@@ -18,9 +18,14 @@ import re
 from pathlib import Path
 
 import numpy as np
+from gguf import GGUFReader, dequantize
+from safetensors.numpy import save_file
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from transformers import AutoConfig, PreTrainedTokenizerFast
 
-from tunix_pipeline.models.errors import ModelError
-from tunix_pipeline.run.paths import atomic_folder
+from tunix_pipeline.core.errors import ModelError
+from tunix_pipeline.core.paths import atomic_folder
+from tunix_pipeline.models.families.llama import rope_frequencies
 
 # general.architecture -> transformers' model_type, for the architectures we have a family for
 MODEL_TYPES = {
@@ -81,9 +86,6 @@ def find_gguf(path: Path) -> Path | None:
 
 def gguf_to_folder(path: str | Path, out_dir: str | Path) -> Path:
     """A Hugging Face folder at `out_dir` with the GGUF file's weights and tokenizer, kept while the file is the same."""
-    from safetensors.numpy import save_file
-    from transformers import AutoConfig
-
     path, out = Path(path).resolve(), Path(out_dir)
     if path.is_relative_to(out.resolve()):
         raise ModelError(f"model.local_dir ({out}) holds the GGUF file {path}; it is replaced by the converted model")
@@ -105,8 +107,6 @@ def gguf_to_folder(path: str | Path, out_dir: str | Path) -> Path:
 
 def read_gguf(path: Path):
     """The file's reader (tensors are memory-mapped, not read) and its metadata."""
-    from gguf import GGUFReader
-
     try:
         reader = GGUFReader(path)
     except Exception as err:  # truncated or not a GGUF file
@@ -233,10 +233,6 @@ def _gemma_settings(arch: str, get, hf: dict, rope: dict) -> dict:
 def _llama3_rope(tensor, theta: float, head_dim: int, path: Path) -> dict:
     """llama.cpp stores Llama 3.1+'s rope scaling as per-frequency divisors (rope_freqs.weight), not
     as settings: recognise Meta's llama3 scaling (low 1, high 4, original context 8192) with its factor."""
-    from gguf import dequantize
-
-    from tunix_pipeline.models.families.llama import rope_frequencies
-
     divisors = np.asarray(dequantize(tensor.data, tensor.tensor_type), np.float64).reshape(-1)
     base = np.asarray(rope_frequencies(head_dim, theta), np.float64)
     rope = {
@@ -254,8 +250,6 @@ def _llama3_rope(tensor, theta: float, head_dim: int, path: Path) -> dict:
 
 def hf_tensors(tensors, meta: dict, hf: dict, path: Path) -> dict[str, np.ndarray]:
     """Every tensor dequantized to float32, named and laid out as in transformers' checkpoints."""
-    from gguf import dequantize
-
     arch = meta["general.architecture"]
     layer_names = {**LAYER_TENSORS, **(SANDWICH_NORMS if arch in ("gemma2", "gemma3") else {})}
     out, unknown = {}, []
@@ -303,9 +297,6 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def build_tokenizer(meta: dict, path: Path):
     """A fast tokenizer from the vocabulary, merges, special tokens and chat template in the metadata."""
-    from tokenizers import AddedToken, processors
-    from transformers import PreTrainedTokenizerFast
-
     kind = meta.get("tokenizer.ggml.model")
     tokens = meta.get("tokenizer.ggml.tokens")
     if not tokens:
@@ -350,8 +341,6 @@ def build_tokenizer(meta: dict, path: Path):
 def _sentencepiece_bpe(tokens: list[str], types: list[int], meta: dict):
     """SentencePiece BPE (Gemma, Llama 2) as a `tokenizers` BPE. SentencePiece joins the adjacent pair whose
     joined piece scores highest, so each split of a normal piece is a merge, ranked by that piece's score."""
-    from tokenizers import Tokenizer, decoders, models, normalizers
-
     scores = meta["tokenizer.ggml.scores"]
     normal = {t for t, ty in zip(tokens, types) if ty == NORMAL}
     ranked = sorted((i for i, ty in enumerate(types) if ty == NORMAL), key=lambda i: (-scores[i], i))
@@ -381,8 +370,6 @@ def _sentencepiece_bpe(tokens: list[str], types: list[int], meta: dict):
 
 def _byte_level_bpe(tokens: list[str], meta: dict, path: Path):
     """GPT-2-style byte-level BPE (Llama 3, Qwen), split first by the regex `tokenizer.ggml.pre` names."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-
     pre = meta.get("tokenizer.ggml.pre")
     if pre not in PRE_TOKENIZERS:
         raise ModelError(f"{path}: tokenizer.ggml.pre={pre!r} is not supported; supported: {', '.join(PRE_TOKENIZERS)}")

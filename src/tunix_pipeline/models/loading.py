@@ -9,11 +9,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from tunix.models import safetensors_loader
+from tunix.sft import utils as sft_utils
 
-from tunix_pipeline.models.errors import ModelError
+from tunix_pipeline.core.errors import ModelError
+from tunix_pipeline.core.processes import host_array
 from tunix_pipeline.models.families import Family, family_for
 from tunix_pipeline.models.hub import check_folder, load_tokenizer, read_hf_config
-from tunix_pipeline.run.processes import host_array
 
 # model -> (family, config.json) of the checkpoint it came from, for export
 _ORIGINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -47,8 +50,6 @@ def load_model(folder: str | Path, mesh: jax.sharding.Mesh | None, dtype: str = 
 
     `remat` and `compute_dtype` (default: `dtype`) as `run_config` takes them.
     """
-    from tunix.models import safetensors_loader
-
     folder = Path(folder)
     check_folder(folder)
     hf = read_hf_config(folder)
@@ -74,8 +75,6 @@ def load_model(folder: str | Path, mesh: jax.sharding.Mesh | None, dtype: str = 
 
 def _check_complete(model, folder: Path) -> None:
     """Every weight came from the checkpoint (Tunix's loader leaves missing ones abstract)."""
-    from flax import nnx
-
     missing = [
         ".".join(map(str, path))
         for path, value in nnx.to_flat_state(nnx.state(model))
@@ -111,8 +110,6 @@ def load_pretrained(path: str | Path, mesh: jax.sharding.Mesh | None = None, dty
 
 def compute_logits(model, tokens: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
     """Logits (B, L, V) float32 for right-padded `tokens` (B, L) with a 0/1 `attention_mask`."""
-    from tunix.sft import utils as sft_utils
-
     mask = jnp.asarray(attention_mask).astype(bool)
     positions = sft_utils.build_positions_from_mask(mask)
     logits, _ = _forward(model, jnp.asarray(tokens, jnp.int32), positions, sft_utils.make_causal_attn_mask(mask))
@@ -120,8 +117,6 @@ def compute_logits(model, tokens: np.ndarray, attention_mask: np.ndarray) -> np.
 
 
 def _forward(model, tokens, positions, attention):
-    from flax import nnx
-
     return nnx.jit(lambda m, t, p, a: m(t, p, None, a))(model, tokens, positions, attention)
 
 

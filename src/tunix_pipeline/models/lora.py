@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import numpy as np
+import qwix
 from flax import nnx
 
 from tunix_pipeline.config import LoraParams
-from tunix_pipeline.models.errors import ModelError
-from tunix_pipeline.models.loading import has_origin, origin_of, remember_origin
-from tunix_pipeline.run.processes import host_array
+from tunix_pipeline.core.errors import ModelError
+from tunix_pipeline.core.processes import host_array
+from tunix_pipeline.models.loading import has_origin, load_model, origin_of, remember_origin
 
 
 def apply_lora(model, lora: LoraParams, mesh: jax.sharding.Mesh | None = None, seed: int = 0):
@@ -17,10 +20,6 @@ def apply_lora(model, lora: LoraParams, mesh: jax.sharding.Mesh | None = None, s
 
     With `quantize: nf4` the frozen base weights are quantized to 4 bits (QLoRA).
     """
-    import contextlib
-
-    import qwix
-
     provider = qwix.LoraProvider(
         module_path=lora.target_modules,
         rank=lora.rank,
@@ -43,8 +42,6 @@ def load_run_model(folder, params, mesh: jax.sharding.Mesh | None, quantize: boo
     `quantize=False` keeps a QLoRA run's base in full precision (to evaluate or export it);
     `compute_dtype`: `sft.compute_dtype` (`loading.run_config`).
     """
-    from tunix_pipeline.models.loading import load_model
-
     model, cfg = load_model(folder, mesh, params.dtype, remat, compute_dtype)
     if params.lora is not None:
         lora = params.lora if quantize else params.lora.model_copy(update={"quantize": None})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tunix_pipeline.models.errors import ModelError
+from tunix_pipeline.core.errors import ModelError
 
 def modelfile(gguf_name: str, tokenizer, template: str | None, add_bos: bool) -> str:
     """An Ollama Modelfile: FROM the file, the chat template as Ollama's Go template, and stop strings."""

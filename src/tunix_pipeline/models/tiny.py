@@ -6,10 +6,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import GemmaConfig, PreTrainedTokenizerFast
 
 from tunix_pipeline.config import TinyModelParams
-from tunix_pipeline.models.errors import ModelError
-from tunix_pipeline.run.paths import atomic_folder
+from tunix_pipeline.core.errors import ModelError
+from tunix_pipeline.core.paths import atomic_folder
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 
@@ -42,10 +45,6 @@ def build_tiny_gemma(out_dir: str | Path, corpus: Iterable[str], spec: TinyModel
     Deterministic for the same corpus and spec; written to a temporary folder
     and moved into place, so a failure never leaves a half-written model.
     """
-    from safetensors.numpy import save_file
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import GemmaConfig, PreTrainedTokenizerFast
-
     texts = list(corpus)
     if not texts:
         raise ModelError("cannot train the tiny model's tokenizer on an empty corpus")

@@ -14,11 +14,12 @@ from __future__ import annotations
 import dataclasses
 
 from tunix_pipeline.config import ModelParams, PlanParams, RuntimeParams, SftParams, TokenizeParams
-from tunix_pipeline.planning.architecture import Architecture, PlanError, from_hf_config, resolve
+from tunix_pipeline.models.architecture import Architecture, PlanError, from_hf_config, resolve
+from tunix_pipeline.planning import precision
 from tunix_pipeline.planning.goodput import padding_of
-from tunix_pipeline.planning.memory import MemoryEstimate, TrainSetup, estimate_memory
 from tunix_pipeline.planning.hardware import detect_profile
 from tunix_pipeline.planning.job import Job, make_job
+from tunix_pipeline.planning.memory import MemoryEstimate, TrainSetup, estimate_memory
 from tunix_pipeline.planning.plan import DoesNotFit, Plan, Row, make_plan
 from tunix_pipeline.planning.polish import PlannedStage, stage_planning
 from tunix_pipeline.planning.report import markdown, refusal
@@ -66,8 +67,6 @@ def peak_flops_per_device(plan: PlanParams, runtime: RuntimeParams) -> float | N
 def precision_of(job: Job, model: ModelParams, sft: SftParams, plan: PlanParams, folder=None) -> dict:
     """The share of the trained weights a step can change in their dtype (`planning.precision`), from the base
     model's own weights where a folder of them is at hand."""
-    from tunix_pipeline.planning import precision
-
     magnitudes = None if job.mode != "full" else precision.weights_at_hand(folder, model.source, model.local_dir)
     return precision.update_precision(
         job.param_dtype, job.compute_dtype, job.optimizer, sft.learning_rate, sft.warmup_steps, sft.schedule,

@@ -22,6 +22,9 @@ import os
 import tempfile
 from pathlib import Path
 
+import jax
+import jaxlib
+
 _IN_PROCESS: dict[str, dict] = {}
 REFUSED = "Ran out of memory"  # XLA:TPU's refusal of a program over the chip's memory: as stable as a figure
 
@@ -31,9 +34,6 @@ class Refused(RuntimeError):
 
 
 def key(lowered, compiler_options: dict | None, devices) -> str:
-    import jax
-    import jaxlib
-
     def version(dist: str) -> str | None:
         try:
             return importlib.metadata.version(dist)
@@ -59,8 +59,6 @@ def method(how: str, *parts: dict) -> str:
 
 
 def _folder() -> Path | None:
-    import jax
-
     root = jax.config.jax_compilation_cache_dir
     return Path(root) / "xla-figures" if root else None
 

@@ -3,7 +3,7 @@ generation (`planning.grpo`) and a judge's `read: number` scoring (`planning.jud
 
 from __future__ import annotations
 
-from tunix_pipeline.planning.architecture import Architecture
+from tunix_pipeline.models.architecture import Architecture
 from tunix_pipeline.planning.memory import NF4_BYTES, TrainSetup
 
 

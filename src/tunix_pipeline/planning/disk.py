@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 
 from tunix_pipeline.config import ModelParams
-from tunix_pipeline.planning.architecture import Architecture
+from tunix_pipeline.models.architecture import Architecture
 from tunix_pipeline.planning.memory import BYTES, TrainSetup, estimate_memory
 from tunix_pipeline.stages import POLISH, SFT
 

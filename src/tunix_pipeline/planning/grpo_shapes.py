@@ -5,7 +5,7 @@ update (a micro-batch's sequences, accumulated), as `TrainSetup`s, and what one 
 from __future__ import annotations
 
 from tunix_pipeline.config import GrpoParams
-from tunix_pipeline.planning.architecture import Architecture
+from tunix_pipeline.models.architecture import Architecture
 from tunix_pipeline.planning.decode import kv_cache_bytes
 from tunix_pipeline.planning.memory import NF4_BYTES, TrainSetup, estimate_memory
 from tunix_pipeline.planning.plan import Row

@@ -26,21 +26,28 @@ import functools
 import re
 import time
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from tunix.generate import sampler as tunix_sampler
+from tunix.rl import function_registry
+from tunix.rl.grpo.grpo_learner import TrainExample
+
 from tunix_pipeline.config import GrpoParams, JudgeParams
-from tunix_pipeline.planning import compiled_figures
-from tunix_pipeline.planning.architecture import Architecture
+from tunix_pipeline.core.runtime import BATCH_AXES, whole_over_batch
+from tunix_pipeline.models.architecture import Architecture
+from tunix_pipeline.planning import compiled_figures, judge, xla
+from tunix_pipeline.planning import judge as judge_lib
+from tunix_pipeline.planning.grpo_shapes import decode_program_bytes, rollout_setup, update_setup
 from tunix_pipeline.planning.memory import GIB, TrainSetup, estimate_memory
 from tunix_pipeline.planning.xla import abstract, abstract_policy, measure
-from tunix_pipeline.run.runtime import whole_over_batch
+from tunix_pipeline.train.optim import make_optimizer
 from tunix_pipeline.upstream import accelerator_sharding, completion_logits_only
+from tunix_pipeline.upstream.rl import algorithm
 
 
 def _rows(mesh, sequences: int, shape: tuple, dtype):
     """An abstract batch-major array split over the data-parallel axes when the rows divide them."""
-    import jax
-
-    from tunix_pipeline.run.runtime import BATCH_AXES
-
     dp = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
     spec = jax.sharding.PartitionSpec(*BATCH_AXES) if sequences % dp == 0 else jax.sharding.PartitionSpec()
     return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
@@ -50,12 +57,6 @@ def compile_decode_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
                         gathered: bool = False) -> dict:
     """One decode step with the KV cache at the rollout's shapes: memory, FLOPs and bytes accessed per chip;
     `gathered`: the weights whole on each data-parallel chip."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from tunix.generate import sampler as tunix_sampler
-
-
     started = time.perf_counter()
     mesh, model, _, _ = abstract_policy(arch, setup, layers, lora, devices)
     graph, state = nnx.split(model)
@@ -86,15 +87,6 @@ def compile_decode_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
 
 def compile_update_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams, layers: int, lora, devices) -> dict:
     """The actor's GRPO train step at batch x G sequences of prompt + completion tokens, bytes and FLOPs per chip."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from tunix.rl import function_registry
-    from tunix.rl.grpo.grpo_learner import TrainExample
-
-    from tunix_pipeline.train.optim import make_optimizer
-    from tunix_pipeline.upstream.rl import algorithm
-
     started = time.perf_counter()
     mesh, model, optimizer, wrt = abstract_policy(arch, setup, layers, lora, devices, make_optimizer(grpo, grpo.max_steps))
     graph, trained, frozen = nnx.split(model, wrt, ...)
@@ -135,10 +127,6 @@ def compile_update_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
 def compile_judge_call(arch: Architecture, setup: TrainSetup, judge: JudgeParams, layers: int, devices) -> dict:
     """A judge's scoring call: its forward over batch_size rubrics of max_prompt_length tokens on its devices (no
     cache), the last position's logits only, bytes, FLOPs and bytes accessed per chip."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
     started = time.perf_counter()
     mesh, model, _, _ = abstract_policy(arch, setup, layers, None, devices)
     graph, state = nnx.split(model)
@@ -166,8 +154,6 @@ def compile_judge_call(arch: Architecture, setup: TrainSetup, judge: JudgeParams
 def check_judges(plan, policy, grpo: GrpoParams, arches: dict, devices, max_layers: int | None) -> dict:
     """Each judge's scoring call compiled for the topology: on the last `judge.devices` chips, or time-shared on
     the policy's (`policy`: its row); the estimate of that program beside it."""
-    from tunix_pipeline.planning import judge as judge_lib
-
     n, out = judge_lib.sub_mesh(grpo), {}
     for name, j in judge_lib.judge_rewards(grpo):
         arch = arches[name]
@@ -210,8 +196,6 @@ def whole_model(compile_at, arch: Architecture, max_layers: int | None, period: 
 def estimates(arch: Architecture, setup: TrainSetup, roll: TrainSetup | None = None) -> dict:
     """The analytic bytes of the very programs compiled: the decode step (the rollout's `roll`, else `setup`'s
     sequences) and the train step (one micro-batch)."""
-    from tunix_pipeline.planning.grpo_shapes import decode_program_bytes
-
     roll = roll or setup.replace(grad_accum=1)
     return {"generation": decode_program_bytes(arch, roll, roll.per_device_batch),
             "update": estimate_memory(arch, setup.replace(grad_accum=1)).peak}
@@ -223,9 +207,6 @@ def check(plan, model, grpo: GrpoParams, max_layers: int | None = 4, params=None
     each judge's scoring call (`params`: the PlanParams that find the judges and resize the policy's mesh;
     `decode_weights`: `runtime.decode_weights`); None when neither libtpu nor a TPU is at hand. A program that
     does not compile is reported as such."""
-    from tunix_pipeline.planning import judge, xla
-    from tunix_pipeline.planning.grpo_shapes import rollout_setup, update_setup
-
     try:
         target = xla.tpu_target(plan.selected.hw) or _this_cpu(plan.selected.hw)
     except Exception as err:  # noqa: BLE001 - e.g. a topology libtpu does not know: the estimate stands
@@ -259,8 +240,6 @@ def check(plan, model, grpo: GrpoParams, max_layers: int | None = 4, params=None
 def _this_cpu(hw) -> tuple[str, tuple] | None:
     """(name, devices) when the profile is the CPU this process runs on: GRPO's programs are then the very ones
     the run compiles (a CPU run's host memory holds both): the real Gemma 3 270M's update in ~25 s on 2 cores."""
-    import jax
-
     if hw.kind != "cpu" or jax.default_backend() != "cpu" or jax.device_count() < hw.devices:
         return None
     return "this CPU", tuple(jax.devices()[: hw.devices])

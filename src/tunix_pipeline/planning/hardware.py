@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 from tunix_pipeline.config import HardwareProfile, PlanParams, RuntimeParams
 from tunix_pipeline.planning.memory import GIB
 
 
 def detect_profile(plan: PlanParams, runtime: RuntimeParams | None = None) -> tuple[str, HardwareProfile]:
     """The profile of the devices JAX sees (`plan.hardware: auto`)."""
-    import jax
-
     devices = jax.devices()
     kind = devices[0].platform
     n = len(devices)

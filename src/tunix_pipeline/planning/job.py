@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 from tunix_pipeline.config import HardwareProfile, ModelParams, RuntimeParams, SftParams
-from tunix_pipeline.planning.architecture import Architecture, PlanError, lora_targets
+from tunix_pipeline.models.architecture import Architecture, PlanError, lora_targets
 from tunix_pipeline.planning.goodput import Padding
 from tunix_pipeline.planning.memory import TrainSetup
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 
 from tunix_pipeline.config import GrpoParams, JudgeParams, ModelParams, PlanParams
-from tunix_pipeline.planning.architecture import Architecture, PlanError, resolve
+from tunix_pipeline.models.architecture import Architecture, PlanError, resolve
 from tunix_pipeline.planning.decode import decode_step, kv_cache_bytes
 from tunix_pipeline.planning.memory import GIB, TrainSetup, forward_layer_bytes, reference_bytes
 from tunix_pipeline.planning.plan import DoesNotFit, Plan, Row, evaluate, size

@@ -27,7 +27,7 @@ import dataclasses
 import math
 
 from tunix_pipeline.config import DEFAULT_LOSS_CHUNK
-from tunix_pipeline.planning.architecture import Architecture
+from tunix_pipeline.models.architecture import Architecture
 
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2}

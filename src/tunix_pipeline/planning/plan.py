@@ -11,7 +11,7 @@ import dataclasses
 import math
 
 from tunix_pipeline.config import HardwareProfile, PlanParams
-from tunix_pipeline.planning.architecture import PlanError
+from tunix_pipeline.models.architecture import PlanError
 from tunix_pipeline.planning.disk import disk_summary
 from tunix_pipeline.planning.goodput import summary as goodput_summary
 from tunix_pipeline.planning.job import Job, setup_on

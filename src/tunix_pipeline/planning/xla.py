@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -40,16 +41,28 @@ import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.experimental import topologies
+
+from tunix_pipeline.config import LoraParams, RuntimeParams, SftParams
+from tunix_pipeline.core.runtime import BATCH_AXES, make_mesh
+from tunix_pipeline.data.tokenization import TOKEN_COLUMNS
+from tunix_pipeline.models.architecture import Architecture, PlanError, from_hf_config
+from tunix_pipeline.models.families import family_for
+from tunix_pipeline.models.loading import run_config
+from tunix_pipeline.models.lora import apply_lora
 from tunix_pipeline.planning import compiled_figures
-from tunix_pipeline.planning.architecture import Architecture, PlanError, from_hf_config
 from tunix_pipeline.planning.memory import TrainSetup
+from tunix_pipeline.train.loss import loss_fn_for, model_inputs
+from tunix_pipeline.train.optim import make_optimizer
 from tunix_pipeline.upstream import accelerator_sharding
 
 
 def _tunix_config(arch: Architecture, layers: int, remat: str, compute_dtype: str | None = None):
-    from tunix_pipeline.models.families import family_for
-    from tunix_pipeline.models.loading import run_config
-
     hf = arch.with_layers(layers).hf_config
     family = family_for(hf)
     return family, run_config(family, hf, remat, compute_dtype)
@@ -57,8 +70,6 @@ def _tunix_config(arch: Architecture, layers: int, remat: str, compute_dtype: st
 
 def sft_params(setup: TrainSetup):
     """The SftParams whose train step `setup` describes (what the loss and optimizer are built from)."""
-    from tunix_pipeline.config import SftParams
-
     return SftParams(
         max_steps=1000,
         per_device_batch_size=setup.per_device_batch,
@@ -77,13 +88,6 @@ def abstract_policy(arch: Architecture, setup: TrainSetup, layers: int, lora, de
     """(mesh, model, optimizer or None, wrt): the model as the trainer builds and shards it, abstract
     (`nnx.eval_shape`, no weights), in `setup`'s parameter dtype, with LoRA/QLoRA applied; the optimizer
     over what is trained (`wrt`) when `tx` is given."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from tunix_pipeline.config import RuntimeParams
-    from tunix_pipeline.run.runtime import make_mesh
-
     family, cfg = _tunix_config(arch, layers, setup.remat, setup.c_dtype)
     mesh = make_mesh(RuntimeParams(mesh=setup.mesh), list(devices)[: setup.devices])
     dtype = jnp.dtype(setup.param_dtype)
@@ -94,8 +98,6 @@ def abstract_policy(arch: Architecture, setup: TrainSetup, layers: int, lora, de
         model = family.model_class(cfg, rngs=nnx.Rngs(0))
         nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), nnx.state(model, nnx.Param)))
         if lora_on:
-            from tunix_pipeline.models.lora import apply_lora
-
             model = apply_lora(model, lora)
             if setup.mode == "qlora":  # qwix's quantized LoRA draws from these in the forward pass
                 model.set_attributes(qwix_rngs=nnx.Rngs(0), raise_if_not_found=False)
@@ -109,10 +111,6 @@ def abstract_policy(arch: Architecture, setup: TrainSetup, layers: int, lora, de
 def abstract(state, mesh):
     """`state`'s leaves as ShapeDtypeStructs sharded by their partition metadata (replicated where it does
     not divide, e.g. Adafactor's factored moments)."""
-    import jax
-    import numpy as np
-    from flax import nnx
-
     def leaf(x, spec):
         if isinstance(spec, jax.sharding.PartitionSpec):
             sizes = [int(np.prod([mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else (ax or ()))]))
@@ -132,8 +130,6 @@ def _unpersisted():
     """Compiles under this are not written to JAX's persistent compilation cache (where one is set): a program
     compiled for compile-only devices (a TPU topology on this CPU) cannot be loaded back from it, and reading its
     entry would warn and compile again."""
-    import jax
-
     threshold = jax.config.jax_persistent_cache_min_compile_time_secs
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
     try:
@@ -146,8 +142,6 @@ def measure(lowered, started: float, layers: int, devices) -> dict:
     """Compile `lowered` for `devices`: memory_analysis() (bytes per device: arguments + outputs - aliases +
     temporaries) and cost_analysis() FLOPs and bytes accessed per device (the program is partitioned); read
     back instead when the same program was compiled before (`compiled_figures`)."""
-    import jax
-
     platform = devices[0].platform
     # XLA:CPU assigns buffers before LLVM runs: skipping its optimisations changes no figure, only the wait
     options = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True} if platform == "cpu" else None
@@ -181,16 +175,6 @@ def measure(lowered, started: float, layers: int, devices) -> dict:
 
 def compile_step(arch: Architecture, setup: TrainSetup, layers: int | None = None, lora=None, devices=None) -> dict:
     """memory_analysis() of the compiled train step, bytes per device."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
-
-    from tunix_pipeline.data.tokenization import TOKEN_COLUMNS
-    from tunix_pipeline.run.runtime import BATCH_AXES
-    from tunix_pipeline.train.loss import loss_fn_for, model_inputs
-    from tunix_pipeline.train.optim import make_optimizer
-
     layers = layers or arch.num_layers
     devices = devices if devices is not None else jax.devices()[: setup.devices]
     if len(devices) < setup.devices:
@@ -263,8 +247,6 @@ MEGACORE = ("v4", "v5p")  # JAX drives both TensorCores of a chip as one device
 
 
 def libtpu_installed() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("libtpu") is not None
 
 
@@ -280,7 +262,6 @@ def tpu_devices(topology: str, hosts: int = 1) -> tuple:
     cores = math.prod(dims) * (1 if generation in ("v5e", "v6e") else 2)
     for key, value in {**LIBTPU_OFFLINE, "TPU_ACCELERATOR_TYPE": f"{accelerator}-{cores}"}.items():
         os.environ.setdefault(key, value)
-    from jax.experimental import topologies
 
     bounds = _host_bounds(dims + [1] * (3 - len(dims)), math.prod(dims) // hosts)
     return tuple(
@@ -305,8 +286,6 @@ def _host_bounds(dims: list[int], per_host: int) -> tuple[int, int, int]:
 def tpu_target(hw) -> tuple[str, tuple] | None:
     """(name, devices) that XLA:TPU compiles the step for: the attached TPU's, or the profile's
     topology's through libtpu; None when neither is at hand (the CPU check stands in)."""
-    import jax
-
     if hw.kind != "tpu":
         return None
     if jax.default_backend() == "tpu" and jax.device_count() >= hw.devices:
@@ -328,8 +307,6 @@ def request(arch: Architecture, setup: TrainSetup, max_layers: int | None, lora=
 
 
 def run_request(req: dict) -> dict:
-    from tunix_pipeline.config import LoraParams
-
     arch = from_hf_config(req["hf_config"], req["name"])
     setup_dict = dict(req["setup"])
     setup_dict["lora_targets"] = tuple(setup_dict.get("lora_targets") or ())
@@ -340,8 +317,6 @@ def run_request(req: dict) -> dict:
 
 def check(arch: Architecture, setup: TrainSetup, max_layers: int | None = 4, lora=None, timeout: float = 900) -> dict:
     """XLA's figure, compiled here when JAX has enough CPU devices, else in a child process that has them."""
-    import jax
-
     cpus = [d for d in jax.devices() if d.platform == "cpu"] if jax.default_backend() == "cpu" else []
     if len(cpus) >= setup.devices:
         return xla_peak(arch, setup, max_layers, lora, cpus[: setup.devices])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from tunix_pipeline.config import ModelParams, PlanParams
+from tunix_pipeline.planning import xla
 from tunix_pipeline.planning.memory import GIB, estimate_memory
 from tunix_pipeline.planning.plan import Plan, make_plan
 
@@ -16,8 +17,6 @@ def with_xla_check(result: Plan, model: ModelParams, plan: PlanParams, tpu_only:
     `tpu_only`: skip the check unless XLA:TPU can compile it (the sft preflight: the CPU check is
     informative only, and slow).
     """
-    from tunix_pipeline.planning import xla
-
     if not plan.xla_check.enabled:
         return result
     if tpu_only:
@@ -49,8 +48,6 @@ def check_against_xla(plan: Plan, model: ModelParams, max_layers: int | None = 4
     both), so bf16 runs are checked as the same step in float32; XLA:CPU keeps the activations
     under remat anyway, so remat runs are checked as the step without it.
     """
-    from tunix_pipeline.planning import xla
-
     s = plan.selected.setup
     out = {"mesh": s.mesh, "target": plan.selected.hw.kind}
     try:

@@ -15,7 +15,7 @@ from kedro.config import OmegaConfigLoader
 from omegaconf import OmegaConf
 
 from tunix_pipeline.config.validation import closest
-from tunix_pipeline.run.errors import UserError
+from tunix_pipeline.core.errors import UserError
 from tunix_pipeline.run.sessions import apply_current_session
 
 LOCAL_ENV = "local"

@@ -14,18 +14,29 @@ import time
 from pathlib import Path
 
 from kedro.framework.hooks import hook_impl
-from kedro.framework.project import settings
+from kedro.framework.project import pipelines, settings
+from kedro.validation.exceptions import ParameterValidationError
 from pydantic import BaseModel
 
 from tunix_pipeline.config import RuntimeParams, SourceParams, TrackingParams
 from tunix_pipeline.config.validation import check_parameters, validate_section
-from tunix_pipeline.run.errors import TrainingInterrupted
-from tunix_pipeline.run.processes import is_main_process, on_main_process
-from tunix_pipeline.run.runtime import (
-    check_shared_folders, configure_host_devices, initialize_distributed, orbax_folders,
+from tunix_pipeline.core.errors import TrainingInterrupted
+from tunix_pipeline.core.processes import is_main_process, on_main_process
+from tunix_pipeline.core.runtime import (
+    check_shared_folders,
+    configure_host_devices,
+    initialize_distributed,
+    make_mesh,
+    orbax_folders,
 )
+from tunix_pipeline.run.output_lock import acquire
+from tunix_pipeline.run.preflight import check_inputs_written, check_reached_stages
 from tunix_pipeline.run.sessions import Ledger, SessionPlanDone, SessionsParams, brief, expectation, over_weekly_budget
 from tunix_pipeline.stages import POLISH, SFT, STAGES, TRAINING_NODES
+from tunix_pipeline.tracking import mlflow_runs
+from tunix_pipeline.tracking.mlflow_runs import kedro_command
+from tunix_pipeline.train.final_weights import keep_for_next_session
+from tunix_pipeline.upstream import atomic_saves
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +62,6 @@ def export_credentials(config_loader) -> None:
 def context_params(context) -> dict:
     """The run's parameters as plain dicts: validated by Kedro against the nodes' pydantic hints, with --params
     overrides applied. A bad one is a `ConfigError` of one line (Kedro's own message spans pydantic's report)."""
-    from kedro.framework.project import pipelines
-    from kedro.validation.exceptions import ParameterValidationError
-
     try:
         params = context.params
     except ParameterValidationError:
@@ -77,8 +85,6 @@ class OutputHooks:
 
     @hook_impl
     def before_node_run(self, node, catalog) -> None:
-        from tunix_pipeline.upstream import atomic_saves
-
         for name in node.outputs:
             atomic_saves(catalog.get(name))  # None: a memory output the runner adds later
 
@@ -99,9 +105,6 @@ class OutputRootHooks:
 
     @hook_impl(tryfirst=True)
     def before_pipeline_run(self, run_params: dict) -> None:
-        from tunix_pipeline.run.output_lock import acquire
-        from tunix_pipeline.tracking.mlflow_runs import kedro_command
-
         self._release()  # an earlier run of this process that Kedro did not end (a notebook cell interrupted)
         if self._root is not None:
             self._lock = on_main_process("output root lock", lambda: acquire(self._root, kedro_command(run_params)))
@@ -136,8 +139,6 @@ class RuntimeHooks:
 
     @hook_impl
     def before_pipeline_run(self, pipeline) -> None:
-        from tunix_pipeline.run.runtime import make_mesh
-
         if "params:runtime" in pipeline.inputs():
             make_mesh(self._runtime)  # a mesh that cannot be built fails now, not after tokenizing
         # multi-host: a checkpoint folder that is not shared stops the run in seconds, not in Orbax after minutes
@@ -159,10 +160,6 @@ class PreflightHooks:
 
     @hook_impl
     def before_pipeline_run(self, pipeline, catalog) -> None:
-        from kedro.framework.project import pipelines
-
-        from tunix_pipeline.run.preflight import check_inputs_written, check_reached_stages
-
         check_inputs_written(pipeline, catalog, pipelines)
         check_reached_stages(self._params, (node.name for node in pipeline.nodes))
 
@@ -204,8 +201,6 @@ class TrackingHooks:
 
     @hook_impl(trylast=True)  # after the session's refusal and the mesh check: no MLflow run for a run that cannot start
     def before_pipeline_run(self, run_params: dict, pipeline) -> None:
-        from tunix_pipeline.tracking import mlflow_runs
-
         if not self._tracking or not self._tracking.enabled or not is_main_process():
             return
         training = trains(pipeline)
@@ -255,15 +250,11 @@ class TrackingHooks:
 
     @hook_impl
     def before_node_run(self, node) -> None:
-        from tunix_pipeline.tracking import mlflow_runs
-
         if self._run is not None and node.name in TRAINING_NODES:  # MLflow's system metrics, sampled while they run
             self._monitor = mlflow_runs.system_metrics_monitor(self._tracking)
 
     @hook_impl
     def after_node_run(self, node, catalog, outputs: dict) -> None:
-        from tunix_pipeline.tracking import mlflow_runs
-
         self._stop_monitor()
         if self._run is None:
             return
@@ -299,16 +290,12 @@ class TrackingHooks:
 
     @hook_impl(trylast=True)
     def on_pipeline_error(self, error) -> None:
-        from tunix_pipeline.tracking import mlflow_runs
-
         if isinstance(error, TrainingInterrupted):  # a stop that saved, not a failure: MLflow's KILLED, and where
             self._finish("KILLED", mlflow_runs.stop_tags(error.signal_name, error.step, error.checkpoint_dir))
         else:
             self._finish("FAILED")
 
     def _finish(self, status: str, tags: dict | None = None) -> None:
-        from tunix_pipeline.tracking import mlflow_runs
-
         self._stop_monitor()
         if self._run is not None:
             mlflow_runs.end_run(status, tags)
@@ -396,9 +383,6 @@ class SessionHooks:
             for name, result in polish.items():  # the policies the session trained, for the next one to start from
                 if result.get("enabled"):
                     entry.update({f"{name}_checkpoint_dir": result["checkpoint_dir"], f"{name}_step": result["latest_step"]})
-            from tunix_pipeline.train.final_weights import (
-                keep_for_next_session,  # checkpoints on scratch: weights saved
-            )
 
             entry = keep_for_next_session(entry, self._output_root(), current.name)
             ledger.record_finished(current.index, current.name, entry)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from tunix_pipeline.run.errors import UserError
+from tunix_pipeline.core.errors import UserError
 
 log = logging.getLogger(__name__)
 

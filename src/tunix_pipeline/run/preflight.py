@@ -9,15 +9,31 @@ enabled. Each failure is a `UserError` of one line that names the setting.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from pathlib import Path
 
 from tunix_pipeline.config import (
-    EvaluateParams, GrpoParams, JudgeParams, ModelParams, PreferenceParams, RewardParams, RuntimeParams, SftParams,
+    EvaluateParams,
+    GrpoParams,
+    JudgeParams,
+    ModelParams,
+    PreferenceParams,
+    RewardParams,
+    RuntimeParams,
+    SftParams,
 )
 from tunix_pipeline.config.validation import ConfigError, validate_section
-from tunix_pipeline.run.errors import UserError
-from tunix_pipeline.run.paths import storage_path
+from tunix_pipeline.core.errors import UserError
+from tunix_pipeline.core.paths import storage_path
+from tunix_pipeline.data.optional_json import NoneWhileMissing
+from tunix_pipeline.evaluate import harness
+from tunix_pipeline.models.hub import check_source
+from tunix_pipeline.run.sessions import SessionsParams
+from tunix_pipeline.run.sessions import check_previous_root as check
 from tunix_pipeline.stages import GRPO, PREFERENCE, SFT, STAGES, Stage
+from tunix_pipeline.train.checkpoints import check_start
+from tunix_pipeline.train.rewards import RewardError, resolve
 
 # the evaluation nodes: after SFT, and after each polish stage
 EVALUATE_NODE = "evaluate_models"
@@ -35,8 +51,6 @@ def reached_stages(params: dict, node_names: Iterable[str]) -> list[Stage]:
 def check_rewards(specs: list[RewardParams], setting: str) -> None:
     """Every reward resolves: a built-in, an importable `package.module:function`, a judge whose source exists;
     the functions `RewardSet` calls for each (GRPO and the preference pairs build one), loading no judge model."""
-    from tunix_pipeline.train.rewards import RewardError, resolve
-
     for i, spec in enumerate(specs):
         if spec.judge is not None:
             check_judge(spec.judge, f"{setting}[{i}].judge")
@@ -49,33 +63,24 @@ def check_rewards(specs: list[RewardParams], setting: str) -> None:
 
 def check_judge(judge: JudgeParams, setting: str) -> None:
     """A judge's source resolves on this machine (a folder, a .gguf file, an installed `pypi:` package)."""
-    from tunix_pipeline.models.hub import check_source
-
     check_source(judge.source, key=f"{setting}.source")
 
 
 def check_harness(evaluate: EvaluateParams) -> None:
     """lm-evaluation-harness is installed and knows every task (only when `evaluate.harness.enabled`)."""
     if evaluate.harness.enabled:
-        from tunix_pipeline.evaluate import harness
-
         harness.check(evaluate.harness)
 
 
 def check_init_from(sft: SftParams) -> None:
     """`sft.init_from` holds a checkpoint, unless this run resumes its own (then the parent is not read)."""
     if sft.init_from:
-        from tunix_pipeline.train.checkpoints import check_start
-
         check_start(storage_path(sft.init_from), storage_path(sft.checkpoint_dir))
 
 
 def check_previous_root(params: dict) -> None:
     """With a `sessions.plan`, `sessions.previous_root` holds the earlier sessions' ledger (the checkpoint it names
     is then `sft.init_from`)."""
-    from tunix_pipeline.run.sessions import SessionsParams
-    from tunix_pipeline.run.sessions import check_previous_root as check
-
     sessions = validate_section(params, "sessions", SessionsParams)
     if sessions.plan:
         check(validate_section(params, "runtime", RuntimeParams).output_root, sessions.previous_root)
@@ -84,9 +89,6 @@ def check_previous_root(params: dict) -> None:
 def model_max_positions(model: ModelParams) -> int | None:
     """The positions the base model holds, where a local folder's config.json says (None: not known before the
     base_model node fetches or builds it)."""
-    import json
-    from pathlib import Path
-
     config = Path(model.source) / "config.json"
     if model.source == "tiny" or not config.is_file():
         return None
@@ -154,8 +156,6 @@ def check_inputs_written(pipeline, catalog, pipelines: dict) -> None:
     """Every dataset the run reads but does not write (`kedro run --pipelines=sft` reads the tokenized rows) is
     on disk: else one line names it and the pipeline that writes it, before any node runs. A dataset that loads
     as None while missing (`optional_json.NoneWhileMissing`) is never missing."""
-    from tunix_pipeline.data.optional_json import NoneWhileMissing
-
     missing = [name for name in sorted(pipeline.inputs()) if not name.startswith("params:") and name != "parameters"
                and name in catalog and not isinstance(catalog.get(name), NoneWhileMissing) and not catalog.exists(name)]
     if not missing:

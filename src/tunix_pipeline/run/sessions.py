@@ -25,8 +25,8 @@ from pydantic import BaseModel, Field
 from tunix_pipeline.config import Strict
 from tunix_pipeline.config.base import Location
 from tunix_pipeline.config.validation import validate_section
-from tunix_pipeline.run.errors import UserError
-from tunix_pipeline.run.paths import is_uri, storage_path
+from tunix_pipeline.core.errors import UserError
+from tunix_pipeline.core.paths import is_uri, storage_path
 from tunix_pipeline.stages import POLISH, SFT
 
 LEDGER = "sessions.json"

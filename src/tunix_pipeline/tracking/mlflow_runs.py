@@ -21,13 +21,18 @@ from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
+import click
 import mlflow
 import numpy as np
 import pandas as pd
+import transformers
 import yaml
+from huggingface_hub import HfApi, ModelCard, constants
+from mlflow.data.dataset_source_registry import resolve_dataset_source
+from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
 from tunix_pipeline.config import RegistryParams, SourceParams, TrackingParams
-from tunix_pipeline.run.paths import storage_path
+from tunix_pipeline.core.paths import storage_path
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on one parameter value
 MAX_TAG_LENGTH = 8000  # and on one tag value
@@ -116,8 +121,6 @@ def config_digest(config: str) -> str:
 
 def kedro_command(run_params: Mapping) -> str:
     """The command line of this run as typed; for a run started from Python (a notebook), its `kedro run` equivalent."""
-    import click
-
     ctx = click.get_current_context(silent=True)
     if ctx is not None:
         depth, parent = 0, ctx.parent
@@ -268,8 +271,6 @@ def log_splits(splits: Mapping[str, pd.DataFrame], files: Mapping[str, str | Non
     The digest is a sha256 of every row (MLflow's own covers the first 10,000); each input is tagged
     with the sources it was built from, a hub dataset with its revision.
     """
-    from mlflow.data.dataset_source_registry import resolve_dataset_source
-
     origins = {mlflow_name(f"origin.{source.name}"): _origin(source) for source in sources}
     for name, frame in splits.items():
         rows = frame.to_json(orient="records", lines=True, force_ascii=False)
@@ -290,7 +291,6 @@ def hub_revision(path: str, revision: str | None) -> str:
     """The commit a hub dataset was read at: the configured revision, else the hub's current one; a local folder: 'local'."""
     if Path(path).exists():
         return "local"
-    from huggingface_hub import HfApi, constants
 
     if constants.HF_HUB_OFFLINE:
         return revision or "unknown (offline)"
@@ -306,7 +306,6 @@ def system_metrics_monitor(params: TrackingParams):
     run = mlflow.active_run()
     if run is None or not params.system_metrics.enabled:
         return None
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
     monitor = SystemMetricsMonitor(
         run.info.run_id, sampling_interval=params.system_metrics.interval_s, resume_logging=True,
@@ -319,9 +318,6 @@ def system_metrics_monitor(params: TrackingParams):
 def register_model(exported: Mapping, registry: RegistryParams, base_model: Mapping | None) -> Mapping | None:
     """Logs the exported Hugging Face folder as an MLflow model (transformers flavour, text generation) and
     registers it as a new version of `registry.name`, tagged with the run's lineage. Returns its version."""
-    import transformers
-    from huggingface_hub import ModelCard
-
     run = mlflow.MlflowClient().get_run(mlflow.active_run().info.run_id)  # its tags as they are now
     source = (base_model or {}).get("source", "unknown")
     card = ModelCard(

@@ -6,8 +6,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import jax
 import mlflow
 import numpy as np
+from tunix.sft.metrics_logger import WandbBackend
 
 from tunix_pipeline.config import TrackingParams, WandbParams
 from tunix_pipeline.tracking.mlflow_runs import mlflow_name, numeric
@@ -79,8 +81,6 @@ class MlflowBackend:
 
 def metrics_backends(tracking: TrackingParams, output_root: str, stage: str) -> list | None:
     """Tunix metrics backends (factories) for process 0: the active MLflow run, and W&B when enabled."""
-    import jax
-
     if jax.process_index() != 0:
         return None
     run = mlflow.active_run()
@@ -93,8 +93,6 @@ def metrics_backends(tracking: TrackingParams, output_root: str, stage: str) -> 
 
 def _wandb_backend(params: WandbParams, folder: Path, stage: str, mlflow_run_id: str | None):
     """Tunix's W&B backend; one W&B run per stage of an MLflow run, continued when that run resumes."""
-    from tunix.sft.metrics_logger import WandbBackend
-
     folder.mkdir(parents=True, exist_ok=True)
     kwargs = {"entity": params.entity, "mode": params.mode, "dir": str(folder), "group": mlflow_run_id}
     if mlflow_run_id:

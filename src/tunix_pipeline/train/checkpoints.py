@@ -13,11 +13,15 @@ import logging
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 from etils import epath
+from tunix.sft import checkpoint_manager, metrics_logger
+from tunix.sft import utils as sft_utils
 
-from tunix_pipeline.models.errors import ModelError
-from tunix_pipeline.run.errors import UserError
-from tunix_pipeline.run.processes import barrier
+from tunix_pipeline.core.errors import ModelError, UserError
+from tunix_pipeline.core.processes import barrier
+from tunix_pipeline.tracking.mlflow_runs import recorded_run
+from tunix_pipeline.upstream import loops_finish_their_tasks, pending_loss
 
 log = logging.getLogger(__name__)
 HISTORY_FILE = "loss_history.json"
@@ -33,10 +37,6 @@ def options(every: int, keep: int, last_step: int | None = None, dev=None):
     """Orbax's options: save every `every` steps and on a preemption notice (and at `last_step`, for a
     trainer that does not save its last step itself), keeping the `keep` latest; no extra save at step 1.
     `dev` (a `dev_eval.DevEval`): also save at its dev steps and keep its best step beside the latest."""
-    import orbax.checkpoint as ocp
-
-    from tunix_pipeline.upstream import loops_finish_their_tasks
-
     loops_finish_their_tasks()  # a failed restore leaves no reads calling back into a closed loop
     policies = ocp.checkpoint_managers
     steps = [policies.FixedIntervalPolicy(every)]
@@ -98,11 +98,6 @@ def restored_trainer(build, ckpt_dir: epath.Path):
 def restore_latest(model, checkpoint_dir: epath.Path, step: int | None = None) -> int:
     """Loads the latest checkpoint of `checkpoint_dir` (or the one of `step`) into `model` (only its adapters when it
     has LoRA); returns the step (0: none)."""
-    from tunix.sft import checkpoint_manager
-    from tunix.sft import utils as sft_utils
-
-    from tunix_pipeline.upstream import loops_finish_their_tasks
-
     loops_finish_their_tasks()
     manager = checkpoint_manager.CheckpointManager(str(checkpoint_dir))
     try:
@@ -131,8 +126,6 @@ def start_from(model, parent: epath.Path, checkpoint_dir: epath.Path) -> dict:
     Skipped when this run has checkpoints of its own: it was interrupted, and the
     trainer resumes those. Returns the lineage: parent checkpoint, step and MLflow run.
     """
-    from tunix_pipeline.tracking.mlflow_runs import recorded_run
-
     lineage = {"parent_checkpoint": str(parent), "parent_run_id": recorded_run(parent)}
     best = dev_selected_step(parent) if parent.is_dir() else None
     if best is not None:
@@ -143,7 +136,6 @@ def start_from(model, parent: epath.Path, checkpoint_dir: epath.Path) -> dict:
     try:
         step = restore_latest(model, parent, best)
     except Exception as err:  # Orbax names the tree mismatch only deep inside its message
-        from tunix.sft import utils as sft_utils
 
         raise ModelError(
             f"sft.init_from: cannot load {parent} into this model (LoRA: {sft_utils.is_lora_enabled(model)}); "
@@ -197,8 +189,6 @@ def dev_selected_step(ckpt_dir: epath.Path) -> int | None:
 # ---------------------------------------------------------------- the history beside them
 def logger_options(ckpt_dir: epath.Path, metrics_backends: list | None):
     """Tunix's metrics-logger options sending every metric to `metrics_backends` (None: Tunix's own logs)."""
-    from tunix.sft import metrics_logger
-
     if not metrics_backends:
         return None
     return metrics_logger.MetricsLoggerOptions(
@@ -208,8 +198,6 @@ def logger_options(ckpt_dir: epath.Path, metrics_backends: list | None):
 
 def metric_history(logger, prefix: str, name: str) -> np.ndarray:
     """Every training value of `prefix`/`name` a Tunix metrics logger holds ("" prefix: SFT's train/loss)."""
-    from tunix.sft import metrics_logger
-
     for mode in ("train", metrics_logger.Mode.TRAIN):  # the RL trainers key by the enum
         if logger.metric_exists(prefix, name, mode):
             return np.asarray(logger.get_metric_history(prefix, name, mode), dtype=np.float64).ravel()
@@ -235,8 +223,6 @@ def save_history(ckpt_dir: epath.Path, history: list[dict], name: str = HISTORY_
 
 def new_losses(trainer, start_step: int) -> list[dict]:
     """This run's losses so far, with the step Tunix has not written yet (it writes each one a step late)."""
-    from tunix_pipeline.upstream import pending_loss
-
     losses = list(metric_history(trainer.metrics_logger, trainer.metrics_prefix, "loss"))
     if (pending := pending_loss(trainer)) is not None:
         losses.append(pending)

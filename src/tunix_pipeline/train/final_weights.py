@@ -15,7 +15,11 @@ import logging
 import shutil
 from pathlib import Path
 
-from tunix_pipeline.run.paths import is_uri
+from etils import epath
+
+from tunix_pipeline.core.paths import is_uri
+from tunix_pipeline.stages import POLISH, SFT
+from tunix_pipeline.train.checkpoints import dev_selected_step
 
 log = logging.getLogger(__name__)
 FOLDER = "06_models/final_weights"  # under the output root (planning.disk counts it there)
@@ -51,9 +55,6 @@ def keep_for_next_session(entry: dict, output_root: str, session: str) -> dict:
     """The ledger entry of a finished session, its next session's checkpoint (the last stage trained: GRPO,
     preference, else SFT, as `sessions._parent` picks it) copied under a local output root when it lies outside it
     (a scratch folder), the entry pointing at the copy. Unchanged for a URI root or a checkpoint already under it."""
-    from tunix_pipeline.stages import POLISH, SFT
-    from tunix_pipeline.train.checkpoints import dev_selected_step
-
     prefix = next((f"{s.name}_" for s in reversed(POLISH) if entry.get(f"{s.name}_checkpoint_dir")), "")
     folder, step = entry.get(f"{prefix}checkpoint_dir"), entry.get(f"{prefix}step")
     if not folder or step is None or is_uri(output_root) or is_uri(folder):
@@ -61,7 +62,6 @@ def keep_for_next_session(entry: dict, output_root: str, session: str) -> dict:
     root = Path(output_root).resolve()
     if Path(folder).resolve().is_relative_to(root):
         return entry
-    from etils import epath
 
     step = dev_selected_step(epath.Path(Path(folder).resolve())) or step  # the step the next session starts from
     stage = prefix.rstrip("_") or SFT.name

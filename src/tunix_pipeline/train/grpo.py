@@ -25,14 +25,17 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 import pandas as pd
+from tunix.rl import rl_cluster as rl_cluster_lib
+from tunix.rl.rollout import base_rollout
 
 from tunix_pipeline import upstream
 from tunix_pipeline.config import GrpoParams
-from tunix_pipeline.evaluate.generation import fitting_prompts, gathers_weights
-from tunix_pipeline.run import progress
-from tunix_pipeline.run.errors import TrainingInterrupted, UserError
-from tunix_pipeline.run.paths import storage_path
-from tunix_pipeline.run.processes import barrier
+from tunix_pipeline.core import progress
+from tunix_pipeline.core.errors import TrainingInterrupted, UserError
+from tunix_pipeline.core.paths import storage_path
+from tunix_pipeline.core.processes import barrier
+from tunix_pipeline.core.runtime import BATCH_AXES, data_parallel_size
+from tunix_pipeline.generate.generation import end_tokens, fitting_prompts, gathers_weights
 from tunix_pipeline.stages import StageResult
 from tunix_pipeline.train import checkpoints
 from tunix_pipeline.train.loop import frozen_copy, stop_on_signals
@@ -123,8 +126,6 @@ def train_grpo(
     """GRPO on `model` in place (full weights or LoRA adapters) from `prepare`'s inputs; resumes.
     `decode_weights`: the rollouts', `runtime.decode_weights`; `dev`: a `dev_eval.DevEval` (`grpo.dev_eval`) scoring
     the dev split as it goes and keeping the best step, or None."""
-    from tunix.rl import rl_cluster as rl_cluster_lib
-
     rows, rewards = inputs.prompts, inputs.rewards
     root = storage_path(params.checkpoint_dir)  # a gs:// URI reaches Orbax as it is
     rollout = _rollout_config(params, tokenizer)
@@ -210,8 +211,6 @@ def training_prompts(train_formatted: pd.DataFrame, tokenizer, params: GrpoParam
     A (micro-)batch that does not divide the mesh is a `GrpoError`; too few prompts to fill one batch is
     `NothingToLearn` (the node skips the stage unless `grpo.strict`).
     """
-    from tunix_pipeline.run.runtime import data_parallel_size
-
     micro = (params.micro_batch_size or params.batch_size) * params.num_generations
     if micro % data_parallel_size(mesh):
         what = "grpo.micro_batch_size" if params.micro_batch_size else "grpo.batch_size"
@@ -234,10 +233,6 @@ def training_prompts(train_formatted: pd.DataFrame, tokenizer, params: GrpoParam
 
 def _rollout_config(params: GrpoParams, tokenizer):
     """Tunix's sampling settings for the rollouts: lengths, KV cache, temperature / top-p / top-k, stop tokens."""
-    from tunix.rl.rollout import base_rollout
-
-    from tunix_pipeline.evaluate.generation import end_tokens
-
     return base_rollout.RolloutConfig(
         max_tokens_to_generate=params.max_completion_length,
         max_prompt_length=params.max_prompt_length,
@@ -253,10 +248,6 @@ def _rollout_config(params: GrpoParams, tokenizer):
 def _cluster_config(params: GrpoParams, mesh, root, logging_options, rollout, gather_weights: bool, dev=None):
     """Actor, reference and rollout on one mesh (the rollout's weights gathered with `gather_weights`); the actor's
     optimizer, steps and checkpoints (also at `dev`'s steps, keeping its best)."""
-    from tunix.rl import rl_cluster as rl_cluster_lib
-
-    from tunix_pipeline.run.runtime import BATCH_AXES
-
     roles = rl_cluster_lib.Role
     return rl_cluster_lib.ClusterConfig(
         role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},

@@ -22,11 +22,17 @@ import logging
 import re
 import time
 
+import jax
 import numpy as np
 
 from tunix_pipeline.config import FormatParams, JudgeParams, ModelParams, RewardParams, RuntimeParams
+from tunix_pipeline.core.errors import UserError
+from tunix_pipeline.core.runtime import make_mesh
 from tunix_pipeline.data.answers import GEMMA_END_OF_TURN, clean
-from tunix_pipeline.run.errors import UserError
+from tunix_pipeline.data.formatting import render_prompt
+from tunix_pipeline.generate.generation import end_tokens, make_sampler, prompt_lengths
+from tunix_pipeline.models.hub import check_source, load_tokenizer, resolve_model_dir
+from tunix_pipeline.models.loading import load_model
 
 log = logging.getLogger(__name__)
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -88,10 +94,6 @@ def meshes(runtime: RuntimeParams, rewards: list[RewardParams]):
     devices (all on fsdp) and the policy the rest, keeping `runtime.mesh`'s tp where it divides them (else 1) and
     giving fsdp what remains;
     without, both use all of them."""
-    import jax
-
-    from tunix_pipeline.run.runtime import make_mesh
-
     asked = {r.judge.devices for r in rewards if r.judge is not None and r.judge.devices}
     if not asked:
         return make_mesh(runtime), None
@@ -115,8 +117,6 @@ class Judge:
     a reward function (`reference` from the dataset's columns). The model loads on the first call."""
 
     def __init__(self, params: JudgeParams, mesh=None):
-        from tunix_pipeline.models.hub import check_source
-
         check_source(params.source, key="judge.source")  # a misspelt folder fails now, not at the first GRPO step
         self.params, self.mesh = params, mesh
         self.sampler = self.tokenizer = self.labels = None
@@ -128,10 +128,6 @@ class Judge:
         return self.last.values.tolist()
 
     def load(self) -> None:
-        from tunix_pipeline.evaluate.generation import make_sampler
-        from tunix_pipeline.models.hub import load_tokenizer, resolve_model_dir
-        from tunix_pipeline.models.loading import load_model
-
         p = self.params
         folder = resolve_model_dir(ModelParams(source=p.source, revision=p.revision, dtype=p.dtype, local_dir=p.local_dir))
         model, _ = load_model(folder, self.mesh, p.dtype)
@@ -144,8 +140,6 @@ class Judge:
         log.info("judge: %s loaded (%s, read: %s)", p.source, p.dtype, p.read)
 
     def render(self, prompt: str, completion: str, reference: str | None) -> str:
-        from tunix_pipeline.data.formatting import render_prompt
-
         text = self.params.rubric.format(prompt=question(prompt), completion=clean(completion),
                                          reference=clean(reference) if reference and clean(reference) else NO_REFERENCE)
         if not self.params.chat_template:
@@ -153,8 +147,6 @@ class Judge:
         return render_prompt([{"role": "user", "content": text}], self.tokenizer, FormatParams())
 
     def score(self, prompts: list[str], completions: list[str], references: list[str | None]) -> JudgeScores:
-        from tunix_pipeline.evaluate.generation import prompt_lengths
-
         started = time.perf_counter()
         if self.sampler is None:
             self.load()
@@ -194,8 +186,6 @@ class Judge:
         return per_label @ weights / np.maximum(total, 1e-30), total
 
     def _read_numbers(self, batch: list[str], bucket: int) -> np.ndarray:
-        from tunix_pipeline.evaluate.generation import end_tokens
-
         out = self.sampler(batch, max_generation_steps=self.params.max_new_tokens, max_prompt_length=bucket,
                            eos_tokens=end_tokens(self.tokenizer))
         read = [read_number(clean(text), self.params.score_range) for text in out.text]

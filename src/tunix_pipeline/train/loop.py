@@ -15,15 +15,17 @@ import time
 import jax
 import numpy as np
 import pandas as pd
+import psutil
 from etils import epath
 from flax import nnx
+from tunix.sft import utils as sft_utils
 
 from tunix_pipeline import upstream
 from tunix_pipeline.config import CheckpointSettings, OptimizerSettings
+from tunix_pipeline.core.errors import STOP_SIGNALS, TrainingInterrupted
+from tunix_pipeline.core.processes import barrier
+from tunix_pipeline.core.runtime import BATCH_AXES, MeshError
 from tunix_pipeline.data.tokenization import token_arrays
-from tunix_pipeline.run.errors import STOP_SIGNALS, TrainingInterrupted
-from tunix_pipeline.run.processes import barrier
-from tunix_pipeline.run.runtime import BATCH_AXES, MeshError
 from tunix_pipeline.train import checkpoints
 from tunix_pipeline.train.optim import make_optimizer
 
@@ -201,15 +203,11 @@ class stop_on_signals:
 
 def save_seconds_guess(model, bytes_per_second: float = 200e6) -> float:
     """Until a save has been timed: the checkpointed state (weights or adapters, and Adam's two moments) at 200 MB/s."""
-    from tunix.sft import utils as sft_utils
-
     saved = nnx.LoRAParam if sft_utils.is_lora_enabled(model) else nnx.Param
     return 1.0 + 3 * sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, saved))) / bytes_per_second
 
 
 def process_start() -> float:
-    import psutil
-
     return psutil.Process().create_time()
 
 

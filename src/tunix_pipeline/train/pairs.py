@@ -9,7 +9,12 @@ import logging
 import numpy as np
 import pandas as pd
 
-from tunix_pipeline.config import PreferenceParams
+from tunix_pipeline.config import EvaluateParams, PreferenceParams
+from tunix_pipeline.core.errors import ModelError
+from tunix_pipeline.data.formatting import end_of_turn
+from tunix_pipeline.data.tokenization import encode_batch, stack
+from tunix_pipeline.generate.generation import Generator, fitting_prompts
+from tunix_pipeline.train.rewards import REWARD_COLUMNS
 from tunix_pipeline.upstream import REFERENCE_COLUMNS
 
 log = logging.getLogger(__name__)
@@ -28,11 +33,6 @@ def pairs_from_rewards(model, tokenizer, formatted: pd.DataFrame, params: Prefer
     A sample that stopped by itself gets the end-of-turn marker SFT taught (one cut off at
     `max_new_tokens` does not), so a pair's answers read as the training data's do.
     """
-    from tunix_pipeline.config import EvaluateParams
-    from tunix_pipeline.data.formatting import end_of_turn
-    from tunix_pipeline.evaluate.generation import Generator, fitting_prompts
-    from tunix_pipeline.train.rewards import REWARD_COLUMNS
-
     spec = params.from_rewards
     rows, too_long = fitting_prompts(formatted.head(max_prompts), tokenizer, params.max_prompt_length,
                                      setting="preference.max_prompt_length")
@@ -76,11 +76,7 @@ def tokenize_pairs(formatted: pd.DataFrame, tokenizer, params: PreferenceParams)
     gets none). A pair whose prompt or either answer does not fit is dropped and counted, as is a
     pair whose answers are the same tokens.
     """
-    from tunix_pipeline.data.tokenization import encode_batch
-
     if tokenizer.pad_token_id is None:
-        from tunix_pipeline.models.errors import ModelError
-
         raise ModelError("the tokenizer has no pad token; add one to the model folder's tokenizer_config.json")
     n, pad = len(formatted), tokenizer.pad_token_id
     p_len, r_len = params.max_prompt_length, params.max_response_length
@@ -127,8 +123,6 @@ def tokenize_pairs(formatted: pd.DataFrame, tokenizer, params: PreferenceParams)
 
 def pair_arrays(rows: pd.DataFrame) -> dict[str, np.ndarray]:
     """The pair columns as 2-D int arrays (float for precomputed reference log-probs)."""
-    from tunix_pipeline.data.tokenization import stack
-
     out = {c: stack(rows, c) for c in PAIR_TOKEN_COLUMNS}
     for c in REFERENCE_COLUMNS:
         if c in rows:

@@ -23,13 +23,17 @@ import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 from flax import nnx
+from jax.experimental import multihost_utils
+from tunix.rl import common
+from tunix.sft.dpo import dpo_trainer
 
 from tunix_pipeline import upstream
 from tunix_pipeline.config import PreferenceParams
-from tunix_pipeline.planning.architecture import model_flops_per_token
-from tunix_pipeline.run import runtime
-from tunix_pipeline.run.paths import storage_path
-from tunix_pipeline.run.progress import throughput_hooks
+from tunix_pipeline.core import runtime
+from tunix_pipeline.core.paths import storage_path
+from tunix_pipeline.core.progress import throughput_hooks
+from tunix_pipeline.core.runtime import data_parallel_size, process_rows, shard_rows
+from tunix_pipeline.models.architecture import model_flops_per_token
 from tunix_pipeline.stages import StageResult
 from tunix_pipeline.train import checkpoints, loop
 from tunix_pipeline.train.loss import target_logps
@@ -118,7 +122,6 @@ def reference_logps(model, example):
 
 def loss_fn_for(params: PreferenceParams):
     """Tunix's loss hook for `params.method` (a plain closure: nnx.grad resolves its arguments by position)."""
-
     def loss(model, train_example):
         return loss_fn(model, train_example, params)
 
@@ -148,9 +151,6 @@ def loss_fn(model, train_example, params: PreferenceParams):
 # ---------------------------------------------------------------- log-probabilities outside training
 def _example(model, batch: dict):
     """A Tunix `TrainExample` of chosen then rejected rows, as `DPOTrainer._prepare_inputs` builds it."""
-    from tunix.rl import common
-    from tunix.sft.dpo import dpo_trainer
-
     prompt = jnp.concatenate([batch["prompt_ids"]] * 2)
     prompt_mask = jnp.concatenate([batch["prompt_mask"]] * 2)
     answers = jnp.concatenate([batch["chosen_ids"], batch["rejected_ids"]])
@@ -168,10 +168,6 @@ def _example(model, batch: dict):
 
 def pair_logps(model, rows: pd.DataFrame, batch_size: int, mesh) -> dict[str, np.ndarray]:
     """Summed answer log-probabilities and answer lengths of every pair (the last batch padded and cut off)."""
-    from jax.experimental import multihost_utils
-
-    from tunix_pipeline.run.runtime import process_rows, shard_rows
-
     arrays = {c: a for c, a in pair_arrays(rows).items() if c in PAIR_TOKEN_COLUMNS}
     local = process_rows(mesh, batch_size)  # each process feeds its share of every batch, as in training
     out = {k: [] for k in ("chosen", "rejected", "chosen_len", "rejected_len")}
@@ -210,8 +206,6 @@ def heldout_accuracy(model, rows: pd.DataFrame, params: PreferenceParams, batch_
 def check_enough_pairs(pairs: int, params: PreferenceParams, mesh, why: tuple[str, str] | None = None) -> int:
     """The global batch (pairs per step); `NothingToLearn` (why, and what to change) when the training pairs
     cannot fill one."""
-    from tunix_pipeline.run.runtime import data_parallel_size
-
     batch_size = params.per_device_batch_size * data_parallel_size(mesh)
     if pairs < batch_size:
         cause, fix = why or ("", "build more pairs, or lower preference.per_device_batch_size")
@@ -298,8 +292,6 @@ def pair_token_counts(arrays: dict) -> tuple[int, np.ndarray]:
 
 def _trainer(model, reference, params: PreferenceParams, ckpt_dir, logging_options, mesh):
     """Tunix's DPOTrainer (`upstream.preference_trainer_class`), set up as SFT's trainer is."""
-    from tunix.sft.dpo import dpo_trainer
-
     config = dpo_trainer.DPOTrainingConfig(
         **loop.trainer_config(params, params.max_steps, ckpt_dir, params.method),
         algorithm="orpo" if params.method == "orpo" else "dpo",  # only the metric names differ: our loss hook decides

@@ -12,25 +12,30 @@ from __future__ import annotations
 import jax
 import pandas as pd
 from etils import epath
+from tunix.sft import metrics_logger, peft_trainer
 
 from tunix_pipeline import upstream
 from tunix_pipeline.config import SftParams
-from tunix_pipeline.planning.architecture import model_flops_per_token
-from tunix_pipeline.run.paths import storage_path
-from tunix_pipeline.run.progress import throughput_hooks
-from tunix_pipeline.run.runtime import global_batch_size, process_rows
+from tunix_pipeline.core.paths import storage_path
+from tunix_pipeline.core.progress import throughput_hooks
+from tunix_pipeline.core.runtime import global_batch_size, process_rows
+from tunix_pipeline.models.architecture import model_flops_per_token
 from tunix_pipeline.stages import StageResult
 from tunix_pipeline.train import checkpoints
 from tunix_pipeline.train.loop import (
-    BatchFeed, end_run, eval_batches, examples_per_row, fit, restored_trainer, trainer_config,
+    BatchFeed,
+    end_run,
+    eval_batches,
+    examples_per_row,
+    fit,
+    restored_trainer,
+    trainer_config,
 )
 from tunix_pipeline.train.loss import loss_fn_for, model_inputs
 
 
 def _trainer(model, sft: SftParams, mesh, options, ckpt_dir: epath.Path, dev=None):
     """Tunix's PeftTrainer (`upstream.trainer_class`) with gradient accumulation and our metrics backends."""
-    from tunix.sft import metrics_logger, peft_trainer
-
     config = peft_trainer.TrainingConfig(
         **trainer_config(sft, sft.max_steps, ckpt_dir, "sft", sft.eval_every, dev),
         gradient_accumulation_steps=sft.gradient_accumulation_steps if sft.gradient_accumulation_steps > 1 else None,

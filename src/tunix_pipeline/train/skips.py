@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import logging
 
-from tunix_pipeline.run.errors import UserError
+import mlflow
+
+from tunix_pipeline.core.errors import UserError
+from tunix_pipeline.core.processes import is_main_process
 from tunix_pipeline.stages import StageResult, policy_stage, selected_step, start_of
 
 log = logging.getLogger(__name__)
@@ -48,10 +51,6 @@ def skip_stage(err: NothingToLearn, strict: bool, parent_policy: StageResult) ->
 
 
 def _tag_run(err: NothingToLearn) -> None:
-    import mlflow
-
-    from tunix_pipeline.run.processes import is_main_process
-
     if mlflow.active_run() is not None and is_main_process():
         mlflow.set_tags({f"{err.stage}.skipped": "true",
                          f"{err.stage}.skip_reason": f"{err.reason}: {err.fix}"[:MLFLOW_TAG_LIMIT]})

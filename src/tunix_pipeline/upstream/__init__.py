@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import shutil
 from pathlib import Path
@@ -18,8 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax._src import monitoring
+from jax.interpreters import pxla
+from tunix.rl import common
+from tunix.rl.grpo import dapo_learner
+from tunix.sft import peft_trainer
+from tunix.sft.dpo import dpo_trainer
 
-from tunix_pipeline.run.runtime import shard_rows, step_compiler_options
+from tunix_pipeline.core.runtime import shard_rows, step_compiler_options
+from tunix_pipeline.tracking.step_metrics import MlflowBackend
 from tunix_pipeline.upstream.event_loops import loops_finish_their_tasks  # noqa: F401
 from tunix_pipeline.upstream.generation import Sampler, grouped_rollout, in_groups  # noqa: F401
 
@@ -76,8 +84,6 @@ def trainer_class(base=None):
     - its progress bar shows useful and padded tokens/s once the throughput hook has logged them (the private
       `_tqdm_train_metrics`).
     """
-    from tunix.sft import peft_trainer
-
     class Trainer(base or peft_trainer.PeftTrainer):
         data_mesh = None
 
@@ -107,8 +113,6 @@ def preference_trainer_class(reference_logps):
     reference pass, takes precomputed reference log-probabilities (`REFERENCE_COLUMNS`) from the batch, and
     otherwise computes them with `reference_logps(model, example) -> (chosen, rejected)` (Tunix's `compute_logps`
     builds the reference model's whole logits)."""
-    from tunix.sft.dpo import dpo_trainer
-
     reference_pass = nnx.jit(reference_logps)
 
     class PreferenceTrainer(trainer_class(dpo_trainer.DPOTrainer)):
@@ -167,10 +171,6 @@ def scalar_listeners_scope():
     scalar listeners (it assigns a local `_scalar_listeners`), so a closed trainer's backend keeps receiving
     every later metric: SFT's MLflow backend would log each GRPO metric a second time.
     """
-    from jax._src import monitoring
-
-    from tunix_pipeline.tracking.step_metrics import MlflowBackend
-
     def listeners():
         return list(monitoring.get_scalar_listeners())
 
@@ -197,8 +197,6 @@ def dapo_config(epsilon_high: float, **common):
     """Tunix's `DAPOConfig` without the overlong shaping (it counts characters; the `length_penalty` reward is the
     knob) and with `beta = 0.0`: Tunix computes reference log-probs whenever `beta != 0.0`, true for DAPO's None,
     and 0.0 means the same to the loss without that pass or a reference model."""
-    from tunix.rl.grpo import dapo_learner
-
     config = dapo_learner.DAPOConfig(epsilon_high=epsilon_high, overlong_buffer=None, **common)
     config.beta = 0.0
     return config
@@ -207,8 +205,6 @@ def dapo_config(epsilon_high: float, **common):
 # ---------------------------------------------------------------- The output layer runs inside a model's call, at every position
 def decoder_models() -> tuple[type, ...]:
     """Tunix's model classes whose `__call__` ends `final_norm`, then per-position steps only."""
-    import importlib
-
     classes = {"gemma": "Gemma", "gemma3": "Gemma3", "llama3": "Llama3", "qwen2": "Qwen2", "qwen3": "Qwen3"}
     return tuple(getattr(importlib.import_module(f"tunix.models.{m}.model"), c) for m, c in classes.items())
 
@@ -272,8 +268,6 @@ def completion_logits_only():
     logits are the first it keeps): same log-probs and gradients, no (batch, prompt, vocabulary) logits. Exact for Tunix's Gemma, Gemma 3, Llama 3
     and Qwen 2/3 (ours subclass them), whose `__call__` ends `final_norm`, then per-position steps only (output
     layer, softcap, cast); other models take Tunix's path."""
-    from tunix.rl import common
-
     models = decoder_models()
     original = common.compute_per_token_logps
 
@@ -310,10 +304,6 @@ SHARD_MODULES = (
 def accelerator_sharding():
     """Tunix's `shard(x, spec)` applies its sharding constraint on the CPU too, while this is active (the plan
     compiles for a TPU topology from a CPU host, and the TPU program must carry the constraints)."""
-    import importlib
-
-    from jax.interpreters import pxla
-
     def shard(x, spec, eager=False):  # `sharding_utils.shard` may also be asked to place an array now (eager)
         mesh = pxla.thread_resources.env.physical_mesh
         if mesh.empty:

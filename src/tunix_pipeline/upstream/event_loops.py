@@ -10,6 +10,8 @@ import logging
 import threading
 import time
 
+from orbax.checkpoint._src import asyncio_utils
+
 log = logging.getLogger(__name__)
 
 # One save or restore of Orbax's (a large model to or from a bucket takes minutes); past it, it fails with a
@@ -28,8 +30,6 @@ def loops_finish_their_tasks() -> None:
     `asyncio.run` does, and is closed only once it has been idle a while (`_retire`): a cancelled TensorStore read
     may still finish on its own thread and call back. Every wait is bounded: the coroutine by `IO_SECONDS`, its
     leftovers by `LEFTOVER_SECONDS`. Once per process; nothing where Orbax has no such function."""
-    from orbax.checkpoint._src import asyncio_utils
-
     original = getattr(asyncio_utils, "_run_sync_via_new_loop", None)
     if original is None or getattr(original, "finishes_tasks", False):
         return

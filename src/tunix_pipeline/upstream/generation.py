@@ -15,10 +15,11 @@ import numpy as np
 from flax import nnx
 from tunix.generate import sampler as sampler_lib
 from tunix.generate import utils as sampler_utils
+from tunix.rl.rollout import vanilla_rollout
 
-from tunix_pipeline.evaluate.sampling import sample_inverse_cdf
-from tunix_pipeline.run.runtime import without_batch_axes
+from tunix_pipeline.core.runtime import without_batch_axes
 from tunix_pipeline.upstream.rows import Rows, map_cache, prefill_length, repeating, stop_string_table
+from tunix_pipeline.upstream.sampling import sample_inverse_cdf
 
 
 # ---------------------------------------------------------------- generation: the sampler's prefill and token choice
@@ -410,8 +411,6 @@ def grouped_rollout():
     """Tunix's vanilla rollout over our `Sampler`, for `ClusterConfig.rollout_engine` (with `group_size` bound):
     Tunix's GRPO learner asks for a prompt's G completions as G copies in a row, which `Sampler` prefills once;
     `gather_weights`: `Sampler`'s."""
-    from tunix.rl.rollout import vanilla_rollout
-
     class GroupedRollout(vanilla_rollout.VanillaRollout):
         def __init__(self, rollout_actor, tokenizer, mesh, rollout_config, group_size: int, gather_weights: bool):
             del mesh  # the sampler runs where the actor's arrays are, as Tunix's vanilla rollout does

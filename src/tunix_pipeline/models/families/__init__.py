@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tunix_pipeline.models.errors import ModelError
+from tunix_pipeline.core.errors import ModelError
 from tunix_pipeline.models.families.base import Family
 from tunix_pipeline.models.families.gemma import GEMMA
 from tunix_pipeline.models.families.gemma2 import GEMMA2

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from tunix_pipeline.models.errors import ModelError
+from tunix_pipeline.core.errors import ModelError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
+from tunix.models.gemma import model as gemma_lib
+from tunix.models.gemma import params_safetensors
 
 from tunix_pipeline import upstream
 from tunix_pipeline.models.families.base import Family, linear_to_hf, require, rope_settings
@@ -11,8 +13,6 @@ from tunix_pipeline.models.families.base import Family, linear_to_hf, require, r
 def config_from_hf(hf: dict):
     """Tunix's Gemma hard-codes rope theta 10000, RMSNorm eps 1e-6, query scaling head_dim**-0.5,
     tied embeddings and GELU (tanh): refuse checkpoints that differ (docs/upstream_tunix.md)."""
-    from tunix.models.gemma import model as gemma_lib
-
     rope = rope_settings(hf)
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     supported = "Tunix's Gemma 1 fixes it"
@@ -40,16 +40,12 @@ def config_from_hf(hf: dict):
 
 def key_mapping(cfg):
     """Tunix's Gemma mapping, except that Gemma 1's `post_attention_layernorm` is the pre-MLP norm."""
-    from tunix.models.gemma import params_safetensors
-
     mapping = upstream.tunix_key_mapping(params_safetensors, cfg)
     mapping[r"model\.layers\.([0-9]+)\.post_attention_layernorm\.weight"] = (r"layers.\1.pre_ffw_norm.scale", None)
     return mapping
 
 
 def preprocess(cfg):
-    from tunix.models.gemma import params_safetensors
-
     return upstream.tunix_preprocess(params_safetensors, cfg)
 
 
@@ -82,7 +78,6 @@ def mlp_to_hf(params: dict, i: int) -> dict[str, np.ndarray]:
 
 def decoder_to_hf(norms: dict[str, str]):
     """`to_hf_state` for a Gemma family whose layer norms are named `norms` (HF name -> Tunix name)."""
-
     def to_hf_state(params: dict, cfg, hf: dict) -> dict[str, np.ndarray]:
         state = {
             "model.embed_tokens.weight": params["embedder.input_embedding"],
@@ -103,8 +98,6 @@ to_hf_state = decoder_to_hf({"input_layernorm": "pre_attention_norm", "post_atte
 
 
 def _model_class():
-    from tunix.models.gemma import model as gemma_lib
-
     return gemma_lib.Gemma
 
 

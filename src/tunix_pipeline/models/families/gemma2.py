@@ -8,6 +8,7 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 from tunix.models.gemma import model as gemma_lib
+from tunix.models.gemma import params_safetensors
 
 from tunix_pipeline import upstream
 from tunix_pipeline.models.families.base import Family, require, rope_settings
@@ -164,14 +165,10 @@ def config_from_hf(hf: dict) -> Gemma2Config:
 
 def key_mapping(cfg):
     """Tunix's Gemma 2 safetensors mapping, as is (its norms are right for Gemma 2)."""
-    from tunix.models.gemma import params_safetensors
-
     return upstream.tunix_key_mapping(params_safetensors, cfg)
 
 
 def preprocess(cfg):
-    from tunix.models.gemma import params_safetensors
-
     return upstream.tunix_preprocess(params_safetensors, cfg)
 
 

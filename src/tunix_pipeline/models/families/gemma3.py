@@ -8,6 +8,7 @@ import itertools
 
 import jax.numpy as jnp
 from tunix.models.gemma3 import model as gemma3_lib
+from tunix.models.gemma3 import params_safetensors
 from tunix.utils import compat
 
 from tunix_pipeline import upstream
@@ -127,14 +128,10 @@ def config_from_hf(hf: dict) -> Gemma3TextConfig:
 
 def key_mapping(cfg):
     """Tunix's Gemma 3 safetensors mapping, as is."""
-    from tunix.models.gemma3 import params_safetensors
-
     return upstream.tunix_key_mapping(params_safetensors, cfg)
 
 
 def preprocess(cfg):
-    from tunix.models.gemma3 import params_safetensors
-
     return upstream.tunix_preprocess(params_safetensors, cfg)
 
 

@@ -14,11 +14,13 @@ import functools
 import math
 import types
 
+import jax.numpy as jnp
 import numpy as np
 from tunix.models.llama3 import model as llama_lib
+from tunix.models.llama3 import params
 
 from tunix_pipeline import upstream
-from tunix_pipeline.models.errors import ModelError
+from tunix_pipeline.core.errors import ModelError
 from tunix_pipeline.models.families.base import Family, linear_to_hf, require, rope_settings
 
 # rope types we compute exactly as transformers' `modeling_rope_utils` does
@@ -77,8 +79,6 @@ def rope_frequencies(head_dim: int, theta: float, scaling: tuple = ()) -> np.nda
 def make_apply_rope(inv_freq: tuple[float, ...]):
     """A drop-in for Tunix's `apply_rope(inputs, positions, head_dim, rope_theta)` (split-half
     rotation, as transformers' `rotate_half`) using the given frequencies; `rope_theta` is ignored."""
-    import jax.numpy as jnp
-
     def apply_rope(inputs, positions, head_dim=None, rope_theta=None):
         freq = jnp.asarray(np.asarray(inv_freq, np.float32))
         angles = positions[..., None].astype(jnp.float32) * freq  # [B, L, head_dim // 2]
@@ -159,8 +159,6 @@ def config_from_hf(hf: dict) -> LlamaConfig:
 
 
 def key_mapping(cfg):
-    from tunix.models.llama3 import params
-
     return upstream.tunix_key_mapping(params, cfg)
 
 

@@ -15,6 +15,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 from tunix.models.qwen2 import model as qwen2_lib
+from tunix.models.qwen2 import params as qwen2_params
+from tunix.models.qwen3 import params as qwen3_params
 from tunix.models.qwen3 import model as qwen3_lib
 
 from tunix_pipeline import upstream
@@ -65,9 +67,7 @@ def qwen2_config_from_hf(hf: dict):
 
 
 def qwen2_key_mapping(cfg):
-    from tunix.models.qwen2 import params
-
-    return upstream.tunix_key_mapping(params, cfg)
+    return upstream.tunix_key_mapping(qwen2_params, cfg)
 
 
 def qwen2_to_hf_state(params: dict, cfg, hf: dict) -> dict[str, np.ndarray]:
@@ -118,9 +118,7 @@ def qwen3_config_from_hf(hf: dict):
 
 
 def qwen3_key_mapping(cfg):
-    from tunix.models.qwen3 import params
-
-    return upstream.tunix_key_mapping(params, cfg)
+    return upstream.tunix_key_mapping(qwen3_params, cfg)
 
 
 def qwen3_to_hf_state(params: dict, cfg, hf: dict) -> dict[str, np.ndarray]:

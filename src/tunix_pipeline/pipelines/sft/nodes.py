@@ -15,7 +15,7 @@ from tunix_pipeline.planning import (
 )
 from tunix_pipeline.planning.grpo import refusal as grpo_refusal
 from tunix_pipeline.planning.disk import add_disk, disk_sessions, plan_disk
-from tunix_pipeline.run.runtime import make_mesh
+from tunix_pipeline.core.runtime import make_mesh
 from tunix_pipeline.stages import GRPO, PREFERENCE, SFT, StageResult
 from tunix_pipeline.tracking.mlflow_runs import mlflow_name, remember_run
 from tunix_pipeline.tracking.step_metrics import MlflowBackend, metrics_backends

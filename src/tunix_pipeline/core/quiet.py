@@ -40,7 +40,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import PurePath
 
-from tunix_pipeline.run.disk_full import disk_full_cause
+from tunix_pipeline.core.disk_full import disk_full_cause
 
 
 @dataclass(frozen=True)

@@ -11,16 +11,18 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
-from tunix_pipeline.config import RuntimeParams, SftParams
-from tunix_pipeline.run.errors import UserError
-from tunix_pipeline.run.paths import storage_path
-from tunix_pipeline.run.processes import barrier, is_main_process
+from tunix_pipeline.core.errors import UserError
+from tunix_pipeline.core.paths import storage_path
+from tunix_pipeline.core.processes import barrier, is_main_process
 from tunix_pipeline.stages import STAGES
 
-if TYPE_CHECKING:  # annotations only; jax is imported where used
-    import jax
+if TYPE_CHECKING:  # annotations only: config sits above this package
+    from tunix_pipeline.config import RuntimeParams, SftParams
 
 log = logging.getLogger(__name__)
 MESH_AXES = ("data", "fsdp", "tp")
@@ -55,9 +57,6 @@ _supported_options: dict[str, bool] = {}
 
 def step_compiler_options() -> dict:
     """`CPU_COMPILER_OPTIONS` when JAX runs on the CPU and this XLA accepts them, else none."""
-    import jax
-    import jax.numpy as jnp
-
     if jax.default_backend() != "cpu" or not CPU_COMPILER_OPTIONS:
         return {}
     key = repr(sorted(CPU_COMPILER_OPTIONS.items()))
@@ -76,8 +75,6 @@ def initialize_distributed(setting) -> None:
     "off": a single process; "auto": JAX finds the cluster (TPU pods, SLURM,
     ...); or explicit coordinator address, process count and id.
     """
-    import jax
-
     if setting == "off" or jax.distributed.is_initialized():
         return
     # CPU processes need a collectives backend of their own; accelerators ignore this
@@ -123,11 +120,9 @@ def check_shared_folders(folders: dict[str, str], timeout_s: float) -> None:
     """
     if not folders:
         return
-    import jax
 
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils
 
     settings = sorted(folders)
     paths = [storage_path(folders[setting], setting) for setting in settings]
@@ -208,8 +203,6 @@ def _holds(marker, nonce: str) -> bool:
 
 def _allgather_text(text: str, size: int = 4096) -> list[str]:
     """Every process's `text` (UTF-8, at most `size` bytes), in process order. A collective."""
-    from jax.experimental import multihost_utils
-
     data = text.encode()[:size]
     buffer = np.zeros(size, np.uint8)  # a fixed shape on every process, padded with NULs (no path holds one)
     buffer[:len(data)] = np.frombuffer(data, np.uint8)
@@ -224,8 +217,6 @@ class MeshError(UserError, ValueError):
 # ---------------------------------------------------------------- mesh
 def make_mesh(runtime: RuntimeParams, devices=None) -> jax.sharding.Mesh:
     """A (data, fsdp, tp) mesh over all devices; every axis exists (Tunix's shardings name fsdp and tp)."""
-    import jax  # imported where used, as everywhere in this module
-
     devices = devices if devices is not None else jax.devices()
     if runtime.mesh == "auto":
         shape = {"data": 1, "fsdp": len(devices), "tp": 1}
@@ -256,8 +247,6 @@ def global_batch_size(sft: SftParams, mesh: jax.sharding.Mesh) -> int:
 
 def process_rows(mesh: jax.sharding.Mesh, batch_size: int) -> slice:
     """The rows of each global batch that this process feeds to its own devices."""
-    import jax  # imported where used, as everywhere in this module
-
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*BATCH_AXES))
     spans = sorted(
         {(s[0].start or 0, s[0].stop or batch_size) for s in sharding.addressable_devices_indices_map((batch_size,)).values()}
@@ -275,9 +264,6 @@ def shard_rows(batch: dict, mesh: jax.sharding.Mesh) -> dict:
     do not divide over the data-parallel devices (2 rows a process, 4 devices) it replicates them,
     so each process computes on its own rows as if they were the whole batch.
     """
-    import jax
-    import numpy as np
-
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*BATCH_AXES))
     return {k: v if isinstance(v, jax.Array) and not v.is_fully_addressable  # already global
             else jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
@@ -285,22 +271,16 @@ def shard_rows(batch: dict, mesh: jax.sharding.Mesh) -> dict:
 
 def without_batch_axes(x):
     """`x` whole on each data-parallel device (its `BATCH_AXES` splits undone, its tensor-parallel ones kept)."""
-    import jax
-
     return jax.device_put(x, whole_over_batch(x)) if split_over_batch(x) else x
 
 
 def split_over_batch(x) -> bool:
     """Is `x` (an array or a ShapeDtypeStruct) split over a data-parallel axis (`BATCH_AXES`)?"""
-    import jax
-
     return isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding) and whole_over_batch(x) != x.sharding
 
 
 def whole_over_batch(x) -> jax.sharding.NamedSharding:
     """`x`'s sharding with its splits over `BATCH_AXES` dropped."""
-    import jax
-
     def kept(axis):
         names = tuple(n for n in ((axis,) if isinstance(axis, str) else (axis or ())) if n not in BATCH_AXES[0])
         return names if len(names) > 1 else (names[0] if names else None)

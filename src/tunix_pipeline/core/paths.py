@@ -20,8 +20,8 @@ from pathlib import Path
 
 from etils import epath
 
-from tunix_pipeline.run.errors import UserError
-from tunix_pipeline.run.processes import is_main_process
+from tunix_pipeline.core.errors import UserError
+from tunix_pipeline.core.processes import is_main_process
 
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # what epath reaches (through fsspec), with the package each needs
@@ -44,11 +44,11 @@ def location_problem(text: str) -> str | None:
         return f"{text} is a {scheme}:// URI; use a local folder or one of " + ", ".join(f"{s}://" for s in _SCHEMES)
     protocol, packages = _SCHEMES[scheme]
     try:
-        import fsspec
+        import fsspec  # optional: the gcs extra (gcsfs) for gs:// outputs
 
         fsspec.get_filesystem_class(protocol)
         if scheme == "gs":
-            import google.cloud.storage  # noqa: F401  Orbax asks it about the bucket
+            import google.cloud.storage  # noqa: F401  optional (the gcs extra): Orbax asks it about the bucket
     except ImportError:
         return (f"{text} needs {packages} to read and write {scheme}:// ("
                 + ("install the project's gcs extra: pip install 'tunix_pipeline[gcs]')" if scheme == "gs"

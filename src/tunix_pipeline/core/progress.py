@@ -21,6 +21,10 @@ import logging
 import sys
 import time
 
+import jax
+from tqdm import auto
+from tunix.sft import hooks
+
 log = logging.getLogger(__name__)
 
 
@@ -43,8 +47,6 @@ class Progress:
         self.lines = not interactive()
         self.bar = None
         if bar and not self.lines:
-            from tqdm import auto
-
             self.bar = auto.tqdm(total=total, initial=start, desc=label, unit=unit, dynamic_ncols=True)
         self.first: tuple[int, float] | None = None  # (step, time) of the first report: timing starts there
         self.printed: tuple[int, float] = (start, time.perf_counter())
@@ -96,8 +98,6 @@ class Progress:
 
 def training_hooks(label: str):
     """A Tunix `TrainingHooks` reporting each step of the trainer it is attached to (GRPO's actor: no tokens/s)."""
-    from tunix.sft import hooks
-
     class Report(hooks.TrainingHooks):
         def __init__(self):
             self.progress: Progress | None = None
@@ -109,7 +109,6 @@ def training_hooks(label: str):
         def on_train_step_end(self, trainer, train_step, train_loss):
             loss = None if train_loss is None else float(train_loss)
             self.progress.update(train_step, loss)
-
         def on_train_end(self, trainer): ...
         def on_train_step_start(self, trainer): ...
         def on_eval_step_start(self, trainer): ...
@@ -140,9 +139,6 @@ def throughput_hooks(step_tokens, flops_per_token: float, peak_flops: float | No
     `step_tokens(step)`: (token slots, non-padding tokens) of optimizer step `step` (1-based, as Tunix numbers them
     here), every micro-batch and every process's rows included (`loop.BatchFeed.step_tokens`).
     """
-    import jax
-    from tunix.sft import hooks
-
     class Throughput(hooks.TrainingHooks):
         def __init__(self):
             self.last, self.progress = None, None
@@ -165,7 +161,6 @@ def throughput_hooks(step_tokens, flops_per_token: float, peak_flops: float | No
             loss = None if train_loss is None else float(train_loss)  # written a step late: already on the host
             self.progress.update(train_step, loss, metrics.get("useful_tokens_per_sec"), metrics.get("tokens_per_sec"))
             self.last = now
-
         def on_train_end(self, trainer): ...
         def on_train_step_start(self, trainer): ...
         def on_eval_step_start(self, trainer): ...
