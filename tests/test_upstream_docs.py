@@ -12,7 +12,8 @@ from tunix_pipeline import upstream
 ROOT = Path(__file__).parents[1]
 DOC = (ROOT / "docs/upstream_tunix.md").read_text()
 PACKAGE = ROOT / "src/tunix_pipeline"
-FOLDERS = ("", "data", "evaluate", "models", "models/families", "planning", "run", "tracking", "train", "upstream")
+FOLDERS = ("", "core", "data", "evaluate", "generate", "models", "models/families", "planning", "run", "tracking", "train",
+           "upstream")
 OURS = {p.stem for folder in FOLDERS for p in (PACKAGE / folder).glob("*.py")} | {f.rpartition("/")[2] for f in FOLDERS if f}
 PACKAGES = tuple(f"tunix_pipeline.{folder.replace('/', '.')}." if folder else "tunix_pipeline." for folder in FOLDERS)
 CODE = re.compile(r"`([A-Za-z_][\w]*(?:\.[\w]+)+)(?:\(\))?`")

@@ -1,1 +1,2 @@
-"""Scoring a policy: generation, accuracy and its statistics, the dev split during training, lm-evaluation-harness."""
+"""Scoring a policy: accuracy and its statistics, the dev split during training, policies side by side,
+lm-evaluation-harness."""

@@ -20,7 +20,7 @@ from etils import epath
 
 from tunix_pipeline.config import DevEvalParams, EvaluateParams
 from tunix_pipeline.core.errors import UserError
-from tunix_pipeline.evaluate.evaluation import score
+from tunix_pipeline.evaluate import evaluation
 from tunix_pipeline.generate.generation import Generator, select_prompts
 from tunix_pipeline.stages import SFT
 from tunix_pipeline.tracking.step_metrics import MlflowBackend
@@ -113,7 +113,7 @@ class DevEval:
                                         self.decode_weights)
         with mesh:
             texts, lengths = self._generator(self.rows["prompt"].tolist())
-        metrics, _ = score(self.stage, self.rows, texts, self.params, lengths)
+        metrics, _ = evaluation.score(self.stage, self.rows, texts, self.params, lengths)
         point = {"step": step, "examples": round(step * self.examples_per_step), "prompts": len(self.rows),
                  **{name: metrics[name] for name in METRICS}}
         self.curve = [p for p in self.curve if p["step"] < step] + [point]

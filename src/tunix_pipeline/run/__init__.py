@@ -1,2 +1,2 @@
-"""The run's machinery: the runtime and its processes, sessions, output paths, hooks into Kedro, the checks before
-a run, user errors and what the terminal shows."""
+"""What runs the pipeline: hooks into Kedro, the checks before a run, the session ledger, the config loader, one run
+per output root."""

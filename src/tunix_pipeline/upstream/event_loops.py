@@ -26,10 +26,10 @@ def loops_finish_their_tasks() -> None:
     """Orbax's `run_sync` (its saves and restores) runs a coroutine on a fresh event loop and closes the loop as soon as
     the coroutine returns or raises. When one read of a `gather` fails (a corrupt checkpoint, set aside for the one
     before) the others are still in flight, and each, finishing, calls back into the closed loop: a `RuntimeError:
-    Event loop is closed` traceback apiece. Here the loop first cancels and awaits its leftover tasks, as
-    `asyncio.run` does, and is closed only once it has been idle a while (`_retire`): a cancelled TensorStore read
-    may still finish on its own thread and call back. Every wait is bounded: the coroutine by `IO_SECONDS`, its
-    leftovers by `LEFTOVER_SECONDS`. Once per process; nothing where Orbax has no such function."""
+    Event loop is closed` traceback apiece. Here the loop first lets its leftover tasks finish (`_finish_leftovers`)
+    and is closed only once it has been idle a while (`_retire`): a TensorStore read left behind may still finish on
+    its own thread and call back. Every wait is bounded: the coroutine by `IO_SECONDS`, its leftovers by
+    `LEFTOVER_SECONDS`. Once per process; nothing where Orbax has no such function."""
     original = getattr(asyncio_utils, "_run_sync_via_new_loop", None)
     if original is None or getattr(original, "finishes_tasks", False):
         return
@@ -63,18 +63,20 @@ async def _within(coro, seconds: float):
 
 
 def _finish_leftovers(loop) -> None:
+    """Runs the loop until its leftover tasks are done, for at most `LEFTOVER_SECONDS`. They are not cancelled, as
+    `asyncio.run` would: cancelling a TensorStore read whose result is being delivered deadlocks (the cancel waits,
+    holding the GIL, for TensorStore's thread to finish delivering, which waits for the GIL), and a leftover read
+    finishes in well under a second."""
     try:
         pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
     except RuntimeError:  # another thread's tasks changed the set under it: leave them, as Orbax does
         return
-    for task in pending:
-        task.cancel()
     if not pending:
         return
     _, left = loop.run_until_complete(asyncio.wait(pending, timeout=LEFTOVER_SECONDS))
     if left:
-        log.warning("%d cancelled checkpoint reads or writes had not stopped %.0f s later; left them behind and went on",
-                    len(left), LEFTOVER_SECONDS)
+        log.warning("%d checkpoint reads or writes had not finished %.0f s after their restore or save ended; left "
+                    "them behind and went on", len(left), LEFTOVER_SECONDS)
         loop.set_exception_handler(lambda *_: None)  # they die with the loop: said once above, not once each
 
 
