@@ -18,9 +18,9 @@ from kedro.framework.cli.project import run as kedro_run
 from kedro.framework.project import settings
 from kedro.validation.exceptions import ParameterValidationError
 
+from tunix_pipeline.core.command import kedro_command
 from tunix_pipeline.core.disk_full import disk_full_cause, disk_full_error
 from tunix_pipeline.core.errors import TrainingInterrupted, UserError
-from tunix_pipeline.tracking.mlflow_runs import kedro_command
 
 USER_ERRORS = (UserError, ParameterValidationError)
 

@@ -21,7 +21,6 @@ from pathlib import Path
 from etils import epath
 
 from tunix_pipeline.core.errors import UserError
-from tunix_pipeline.core.processes import is_main_process
 
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # what epath reaches (through fsspec), with the package each needs
@@ -81,6 +80,8 @@ def local_folder(destination: str | os.PathLike, setting: str = "path"):
     with tempfile.TemporaryDirectory(prefix="upload.") as tmp:
         local = Path(tmp) / target.name
         yield local
+        from tunix_pipeline.core.processes import is_main_process  # start-up: loads JAX (see core/__init__.py)
+
         if not is_main_process():  # process 0 alone writes the model (processes.on_main_process); others upload nothing
             return
         names = sorted((p.name for p in local.iterdir()), key=lambda name: name == "config.json")

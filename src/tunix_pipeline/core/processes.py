@@ -40,7 +40,6 @@ def barrier(name: str, seconds: float | None = None) -> None:
 
     client = distributed.global_state.client
     if client is None:  # processes JAX did not start through jax.distributed: its collective
-
         multihost_utils.sync_global_devices(name)
         return
     seconds = BARRIER_SECONDS if seconds is None else seconds

@@ -15,9 +15,9 @@ from __future__ import annotations
 import pandas as pd
 
 from tunix_pipeline.config import FormatParams
+from tunix_pipeline.core.errors import UserError
 from tunix_pipeline.data.answers import GEMMA_END_OF_TURN, render
 from tunix_pipeline.data.ingest import conversation
-from tunix_pipeline.core.errors import UserError
 
 FORMATTED_COLUMNS = ["id", "source", "prompt", "completion", "answer", "open_ended", "split"]
 

@@ -7,10 +7,10 @@ The same loader reads both.
 """
 
 from tunix_pipeline.core.errors import ModelError
+from tunix_pipeline.models.export import export_pretrained
 from tunix_pipeline.models.hub import check_folder, load_tokenizer, read_hf_config, resolve_model_dir
 from tunix_pipeline.models.loading import compute_logits, load_model, load_pretrained, model_summary, tunix_config
 from tunix_pipeline.models.lora import apply_lora, load_run_model, merge_lora, parameter_counts
-from tunix_pipeline.models.export import export_pretrained
 from tunix_pipeline.models.tiny import build_tiny_gemma
 
 __all__ = [

@@ -242,7 +242,6 @@ def resolve(model: ModelParams, known: dict[str, dict] | None = None, folder: st
         built = Path(model.local_dir) / "config.json"
         return from_hf_config(_read(built) if built.is_file() else tiny_hf_config(model), "tiny")
     if source.startswith("pypi:"):  # the packaged GGUF file, assembled where the base_model stage puts it
-
         gguf_file = assemble_pypi_gguf(source.removeprefix("pypi:"), Path(model.local_dir).parent)
         return from_hf_config(gguf_hf_config(gguf_file), source)
     local = Path(source)

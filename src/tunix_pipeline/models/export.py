@@ -81,7 +81,6 @@ def _write(state: dict, out_dir, tokenizer, hf_config: dict, max_shard_size) -> 
         config = {k: v for k, v in hf_config.items() if k not in ("torch_dtype", "dtype")}
         config["dtype"] = dtype
         if not config.get("architectures"):  # a built or GGUF-converted config has none; MLflow and vLLM read it
-
             config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]]
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         GenerationConfig(

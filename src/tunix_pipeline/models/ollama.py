@@ -7,6 +7,7 @@ import json
 
 from tunix_pipeline.core.errors import ModelError
 
+
 def modelfile(gguf_name: str, tokenizer, template: str | None, add_bos: bool) -> str:
     """An Ollama Modelfile: FROM the file, the chat template as Ollama's Go template, and stop strings."""
     lines = [f"FROM ./{gguf_name}"]

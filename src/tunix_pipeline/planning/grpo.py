@@ -32,8 +32,8 @@ import dataclasses
 import math
 
 from tunix_pipeline.config import GrpoParams, ModelParams, PlanParams, RuntimeParams
-from tunix_pipeline.planning import grpo_xla, judge
 from tunix_pipeline.models.architecture import Architecture
+from tunix_pipeline.planning import grpo_xla, judge
 from tunix_pipeline.planning.decode import decode_line, decode_step, kv_cache_bytes
 from tunix_pipeline.planning.grpo_shapes import decode_program_bytes, rollout_setup, update_setup
 from tunix_pipeline.planning.memory import GIB, TrainSetup, estimate_memory, reference_bytes

@@ -13,6 +13,7 @@ import os
 import time
 from pathlib import Path
 
+from etils import epath
 from kedro.framework.hooks import hook_impl
 from kedro.framework.project import pipelines, settings
 from kedro.validation.exceptions import ParameterValidationError
@@ -20,23 +21,12 @@ from pydantic import BaseModel
 
 from tunix_pipeline.config import RuntimeParams, SourceParams, TrackingParams
 from tunix_pipeline.config.validation import check_parameters, validate_section
+from tunix_pipeline.core.command import kedro_command
 from tunix_pipeline.core.errors import TrainingInterrupted
-from tunix_pipeline.core.processes import is_main_process, on_main_process
-from tunix_pipeline.core.runtime import (
-    check_shared_folders,
-    configure_host_devices,
-    initialize_distributed,
-    make_mesh,
-    orbax_folders,
-)
+from tunix_pipeline.core.paths import storage_path
 from tunix_pipeline.run.output_lock import acquire
-from tunix_pipeline.run.preflight import check_inputs_written, check_reached_stages
 from tunix_pipeline.run.sessions import Ledger, SessionPlanDone, SessionsParams, brief, expectation, over_weekly_budget
 from tunix_pipeline.stages import POLISH, SFT, STAGES, TRAINING_NODES
-from tunix_pipeline.tracking import mlflow_runs
-from tunix_pipeline.tracking.mlflow_runs import kedro_command
-from tunix_pipeline.train.final_weights import keep_for_next_session
-from tunix_pipeline.upstream import atomic_saves
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +75,8 @@ class OutputHooks:
 
     @hook_impl
     def before_node_run(self, node, catalog) -> None:
+        from tunix_pipeline.upstream import atomic_saves  # start-up (core/__init__.py): Tunix, JAX
+
         for name in node.outputs:
             atomic_saves(catalog.get(name))  # None: a memory output the runner adds later
 
@@ -105,6 +97,8 @@ class OutputRootHooks:
 
     @hook_impl(tryfirst=True)
     def before_pipeline_run(self, run_params: dict) -> None:
+        from tunix_pipeline.core.processes import on_main_process  # start-up (core/__init__.py): JAX
+
         self._release()  # an earlier run of this process that Kedro did not end (a notebook cell interrupted)
         if self._root is not None:
             self._lock = on_main_process("output root lock", lambda: acquire(self._root, kedro_command(run_params)))
@@ -132,18 +126,22 @@ class RuntimeHooks:
 
     @hook_impl
     def after_context_created(self, context) -> None:
+        from tunix_pipeline.core import runtime  # start-up (core/__init__.py): JAX
+
         self._params = context_params(context)
         self._runtime = validate_section(self._params, "runtime", RuntimeParams)
-        configure_host_devices(self._runtime.host_device_count)
-        initialize_distributed(self._runtime.distributed)
+        runtime.configure_host_devices(self._runtime.host_device_count)
+        runtime.initialize_distributed(self._runtime.distributed)
 
     @hook_impl
     def before_pipeline_run(self, pipeline) -> None:
+        from tunix_pipeline.core import runtime  # start-up (core/__init__.py): JAX
+
         if "params:runtime" in pipeline.inputs():
-            make_mesh(self._runtime)  # a mesh that cannot be built fails now, not after tokenizing
+            runtime.make_mesh(self._runtime)  # a mesh that cannot be built fails now, not after tokenizing
         # multi-host: a checkpoint folder that is not shared stops the run in seconds, not in Orbax after minutes
-        check_shared_folders(orbax_folders(self._params, (node.name for node in pipeline.nodes)),
-                             self._runtime.shared_folder_timeout_s)
+        runtime.check_shared_folders(runtime.orbax_folders(self._params, (node.name for node in pipeline.nodes)),
+                                     self._runtime.shared_folder_timeout_s)
 
 
 class PreflightHooks:
@@ -160,8 +158,17 @@ class PreflightHooks:
 
     @hook_impl
     def before_pipeline_run(self, pipeline, catalog) -> None:
-        check_inputs_written(pipeline, catalog, pipelines)
-        check_reached_stages(self._params, (node.name for node in pipeline.nodes))
+        from tunix_pipeline.run import preflight  # start-up (core/__init__.py): the planner, JAX, Tunix
+
+        preflight.check_inputs_written(pipeline, catalog, pipelines)
+        preflight.check_reached_stages(self._params, (node.name for node in pipeline.nodes))
+
+
+def _mlflow_runs():
+    """`tracking.mlflow_runs`, imported by the first hook that tracks a run."""
+    from tunix_pipeline.tracking import mlflow_runs  # start-up (core/__init__.py): MLflow, transformers
+
+    return mlflow_runs
 
 
 def session_tags(sessions: SessionsParams) -> dict:
@@ -201,6 +208,8 @@ class TrackingHooks:
 
     @hook_impl(trylast=True)  # after the session's refusal and the mesh check: no MLflow run for a run that cannot start
     def before_pipeline_run(self, run_params: dict, pipeline) -> None:
+        from tunix_pipeline.core.processes import is_main_process  # start-up (core/__init__.py): JAX
+
         if not self._tracking or not self._tracking.enabled or not is_main_process():
             return
         training = trains(pipeline)
@@ -208,19 +217,19 @@ class TrackingHooks:
         env = run_params.get("env") or self._env or settings.CONFIG_LOADER_ARGS["default_run_env"]
         # mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI; put the user's back afterwards
         self._user_uri = os.environ.get("MLFLOW_TRACKING_URI")
-        uri = mlflow_runs.tracking_uri(self._tracking, self._project_path)
+        uri = _mlflow_runs().tracking_uri(self._tracking, self._project_path)
         # The run a rerun follows: for --only-missing-outputs / --from-nodes / --to-nodes the last run of this
         # output root; for another run that trains, the run recorded beside the checkpoints it resumes
         output_root = validate_section(self._params, "runtime", RuntimeParams).output_root
-        if mlflow_runs.is_restart(run_params):
-            previous = mlflow_runs.recorded_run(self._local(output_root), uri)
+        if _mlflow_runs().is_restart(run_params):
+            previous = _mlflow_runs().recorded_run(self._local(output_root), uri)
         else:
-            previous = mlflow_runs.recorded_run(self._local(self._params[SFT.name]["checkpoint_dir"]), uri) if training else None
+            previous = _mlflow_runs().recorded_run(self._local(self._params[SFT.name]["checkpoint_dir"]), uri) if training else None
         resume, lineage = None, {}
         if previous is not None:
-            digest = mlflow_runs.config_digest(mlflow_runs.config_yaml(self._params))
-            resume, lineage = mlflow_runs.restart_rule(uri, previous, env, digest)
-        self._run = mlflow_runs.start_run(
+            digest = _mlflow_runs().config_digest(_mlflow_runs().config_yaml(self._params))
+            resume, lineage = _mlflow_runs().restart_rule(uri, previous, env, digest)
+        self._run = _mlflow_runs().start_run(
             uri,
             self._tracking,
             self._params,
@@ -228,15 +237,15 @@ class TrackingHooks:
                 "kedro.env": env,
                 "kedro.pipelines": pipelines,
                 "kedro.session_id": run_params.get("session_id"),
-                mlflow_runs.COMMAND_TAG: mlflow_runs.kedro_command(run_params),
-                "mlflow.source.git.commit": mlflow_runs.git_commit(),
+                _mlflow_runs().COMMAND_TAG: _mlflow_runs().kedro_command(run_params),
+                "mlflow.source.git.commit": _mlflow_runs().git_commit(),
                 **(session_tags(self._sessions) if training else {}),
                 **lineage,
             },
             run_id=resume,
             run_name=f"{pipelines}@{env}",
         )
-        mlflow_runs.remember_run(self._local(output_root))
+        _mlflow_runs().remember_run(self._local(output_root))
         if resume:
             log.info("MLflow run %s continued (restart of an unfinished run with the same configuration) in %s",
                      resume, uri)
@@ -244,14 +253,14 @@ class TrackingHooks:
             log.info("MLflow run %s in %s%s", self._run.info.run_id, uri,
                      f" (restart of run {lineage['lineage.restart_of']})" if lineage else "")
 
-    def _local(self, path: str) -> str | Path:
-        """A configured folder: a URI as it is, a relative path under the project."""
-        return path if "://" in str(path) else self._project_path / path
+    def _local(self, path: str) -> epath.Path:
+        """A configured folder as a path: a URI as it is, a relative path under the project."""
+        return storage_path(path if "://" in str(path) else self._project_path / path)
 
     @hook_impl
     def before_node_run(self, node) -> None:
         if self._run is not None and node.name in TRAINING_NODES:  # MLflow's system metrics, sampled while they run
-            self._monitor = mlflow_runs.system_metrics_monitor(self._tracking)
+            self._monitor = _mlflow_runs().system_metrics_monitor(self._tracking)
 
     @hook_impl
     def after_node_run(self, node, catalog, outputs: dict) -> None:
@@ -260,19 +269,19 @@ class TrackingHooks:
             return
         for name, value in outputs.items():
             if name in self._tracking.log_outputs:
-                mlflow_runs.log_output(name, value)
+                _mlflow_runs().log_output(name, value)
         splits = {name: outputs[name] for name in ("train_records", "eval_records") if name in outputs}
         if splits:
             # the saved file is the dataset's source (kedro-datasets describe their path only in _describe())
             files = {name: catalog[name]._describe().get("filepath") for name in splits}
-            mlflow_runs.log_splits(splits, files, [SourceParams.model_validate(s) for s in self._params["ingest"]["sources"]])
+            _mlflow_runs().log_splits(splits, files, [SourceParams.model_validate(s) for s in self._params["ingest"]["sources"]])
         exported = outputs.get("exported_model")
         if exported and self._tracking.register_model.enabled:
             if "://" in exported["path"]:  # MLflow logs a model from a local folder
                 log.info("export in %s: not registered in MLflow (a local export.output_dir is)", exported["path"])
                 return
             base = catalog.load("base_model") if catalog.exists("base_model") else None
-            version = mlflow_runs.register_model(exported, self._tracking.register_model, base)
+            version = _mlflow_runs().register_model(exported, self._tracking.register_model, base)
             log.info("exported model registered in MLflow as %s", version["uri"])
 
     @hook_impl
@@ -291,14 +300,14 @@ class TrackingHooks:
     @hook_impl(trylast=True)
     def on_pipeline_error(self, error) -> None:
         if isinstance(error, TrainingInterrupted):  # a stop that saved, not a failure: MLflow's KILLED, and where
-            self._finish("KILLED", mlflow_runs.stop_tags(error.signal_name, error.step, error.checkpoint_dir))
+            self._finish("KILLED", _mlflow_runs().stop_tags(error.signal_name, error.step, error.checkpoint_dir))
         else:
             self._finish("FAILED")
 
     def _finish(self, status: str, tags: dict | None = None) -> None:
         self._stop_monitor()
         if self._run is not None:
-            mlflow_runs.end_run(status, tags)
+            _mlflow_runs().end_run(status, tags)
             self._run = None
             if self._user_uri is None:
                 os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -364,6 +373,9 @@ class SessionHooks:
 
     def _end(self, catalog, failed: bool, stopped: bool = False) -> None:
         """Records the run in the ledger; the session is finished once its SFT (preference, GRPO) reached their steps."""
+        from tunix_pipeline.core.processes import is_main_process  # start-up (core/__init__.py): JAX
+        from tunix_pipeline.train.final_weights import keep_for_next_session  # start-up: Orbax, JAX
+
         current = self._sessions.current if self._sessions else None
         if current is None or not self._started or not is_main_process():
             return

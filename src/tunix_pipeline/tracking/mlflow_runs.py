@@ -14,25 +14,23 @@ import math
 import os
 import platform
 import re
-import shlex
 import subprocess
-import sys
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
-import click
 import mlflow
 import numpy as np
 import pandas as pd
 import transformers
 import yaml
+from etils import epath
 from huggingface_hub import HfApi, ModelCard, constants
 from mlflow.data.dataset_source_registry import resolve_dataset_source
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
 from tunix_pipeline.config import RegistryParams, SourceParams, TrackingParams
-from tunix_pipeline.core.paths import storage_path
+from tunix_pipeline.core.command import flatten
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on one parameter value
 MAX_TAG_LENGTH = 8000  # and on one tag value
@@ -71,18 +69,6 @@ def tracking_uri(params: TrackingParams, project_path: Path) -> str:
     return uri
 
 
-def flatten(tree: Mapping, prefix: str = "") -> dict:
-    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
-    flat = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
-
-
 def git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
@@ -117,30 +103,6 @@ def config_yaml(params: Mapping) -> str:
 
 def config_digest(config: str) -> str:
     return hashlib.sha256(config.encode()).hexdigest()
-
-
-def kedro_command(run_params: Mapping) -> str:
-    """The command line of this run as typed; for a run started from Python (a notebook), its `kedro run` equivalent."""
-    ctx = click.get_current_context(silent=True)
-    if ctx is not None:
-        depth, parent = 0, ctx.parent
-        while parent is not None:  # `kedro run`: sys.argv holds the subcommand "run" after the program
-            depth, parent = depth + 1, parent.parent
-        return " ".join([ctx.command_path, shlex.join(sys.argv[1 + depth :])]).strip()
-    words = ["kedro", "run"]
-    if run_params.get("env"):
-        words.append(f"--env={run_params['env']}")
-    names = run_params.get("pipeline_names") or [run_params.get("pipeline_name")]
-    if any(names):
-        words.append(f"--pipelines={','.join(n for n in names if n)}")
-    for key in ("from_nodes", "to_nodes", "node_names", "tags", "from_inputs", "to_outputs", "namespaces"):
-        if run_params.get(key):
-            words.append(f"--{key.replace('_', '-')}={','.join(run_params[key])}")
-    if run_params.get("only_missing_outputs"):
-        words.append("--only-missing-outputs")
-    if run_params.get("extra_params"):
-        words.append("--params=" + ",".join(f"{k}={v}" for k, v in flatten(run_params["extra_params"]).items()))
-    return shlex.join(words)
 
 
 def is_restart(run_params: Mapping) -> bool:
@@ -245,19 +207,19 @@ def package_versions() -> dict:
 RUN_FILE = "mlflow_run.json"
 
 
-def remember_run(folder: str | Path) -> None:
-    """Records the active run in `folder` (beside checkpoints, or in the output root), so that a rerun finds it."""
+def remember_run(folder: epath.Path) -> None:
+    """Records the active run in `folder` (beside checkpoints, or in the output root; local or gs://), so that a
+    rerun finds it."""
     run = mlflow.active_run()
     if run is None:
         return
-    folder = storage_path(folder)  # local, or a gs:// URI beside the checkpoints
     folder.mkdir(parents=True, exist_ok=True)
     (folder / RUN_FILE).write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": mlflow.get_tracking_uri()}))
 
 
-def recorded_run(folder: str | Path, uri: str | None = None) -> str | None:
+def recorded_run(folder: epath.Path, uri: str | None = None) -> str | None:
     """The MLflow run recorded in `folder` (None when there is none, or, given `uri`, it is in another store)."""
-    path = storage_path(folder) / RUN_FILE
+    path = folder / RUN_FILE
     if not path.is_file():
         return None
     recorded = json.loads(path.read_text())

@@ -136,7 +136,6 @@ def start_from(model, parent: epath.Path, checkpoint_dir: epath.Path) -> dict:
     try:
         step = restore_latest(model, parent, best)
     except Exception as err:  # Orbax names the tree mismatch only deep inside its message
-
         raise ModelError(
             f"sft.init_from: cannot load {parent} into this model (LoRA: {sft_utils.is_lora_enabled(model)}); "
             f"the parent must have the same model.source and model.lora settings: {err}"

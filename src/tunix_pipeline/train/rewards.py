@@ -26,8 +26,8 @@ import numpy as np
 
 from tunix_pipeline.config import RewardParams
 from tunix_pipeline.config.validation import closest
-from tunix_pipeline.data.answers import TAGS, answer_score, clean, extract_answer, well_formed
 from tunix_pipeline.core.errors import UserError
+from tunix_pipeline.data.answers import TAGS, answer_score, clean, extract_answer, well_formed
 from tunix_pipeline.train.judge import Judge
 
 # dataset columns passed to every reward as keyword arguments (besides prompts/completions)

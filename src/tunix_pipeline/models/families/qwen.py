@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from tunix.models.qwen2 import model as qwen2_lib
 from tunix.models.qwen2 import params as qwen2_params
-from tunix.models.qwen3 import params as qwen3_params
 from tunix.models.qwen3 import model as qwen3_lib
+from tunix.models.qwen3 import params as qwen3_params
 
 from tunix_pipeline import upstream
 from tunix_pipeline.models.families.base import Family, require

@@ -2,10 +2,10 @@ import contextlib
 import logging
 
 from tunix_pipeline.config import ExportParams, FormatParams, ModelParams, RuntimeParams
-from tunix_pipeline.models import export_pretrained, load_run_model, load_tokenizer
-from tunix_pipeline.models.gguf_export import tuned_chat_template
 from tunix_pipeline.core.paths import local_folder, storage_path
 from tunix_pipeline.core.runtime import make_mesh
+from tunix_pipeline.models import export_pretrained, load_run_model, load_tokenizer
+from tunix_pipeline.models.gguf_export import tuned_chat_template
 from tunix_pipeline.stages import POLISH, SFT, STAGES, policy_step, selected_step
 from tunix_pipeline.train.checkpoints import params_dir, restore_required
 

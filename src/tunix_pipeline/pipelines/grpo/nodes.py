@@ -1,9 +1,9 @@
 import pandas as pd
 
 from tunix_pipeline.config import GrpoParams, ModelParams, RuntimeParams, TrackingParams
+from tunix_pipeline.core.paths import storage_path
 from tunix_pipeline.evaluate.dev_eval import DevEval, log_curve
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
-from tunix_pipeline.core.paths import storage_path
 from tunix_pipeline.stages import GRPO, StageResult, policy_stage, selected_step, start_of
 from tunix_pipeline.tracking.step_metrics import MlflowBackend, metrics_backends
 from tunix_pipeline.train.checkpoints import restore_required

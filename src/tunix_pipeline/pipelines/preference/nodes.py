@@ -6,15 +6,21 @@ import pandas as pd
 from pydantic import TypeAdapter
 
 from tunix_pipeline.config import (
-    FormatParams, ModelParams, PlanParams, PreferenceParams, RewardParams, RuntimeParams, TrackingParams,
+    FormatParams,
+    ModelParams,
+    PlanParams,
+    PreferenceParams,
+    RewardParams,
+    RuntimeParams,
+    TrackingParams,
 )
+from tunix_pipeline.core.paths import storage_path
+from tunix_pipeline.core.processes import is_main_process
+from tunix_pipeline.core.runtime import make_mesh
 from tunix_pipeline.data.formatting import format_records
 from tunix_pipeline.data.ingest import ingest
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
 from tunix_pipeline.planning import peak_flops_per_device
-from tunix_pipeline.core.paths import storage_path
-from tunix_pipeline.core.processes import is_main_process
-from tunix_pipeline.core.runtime import make_mesh
 from tunix_pipeline.stages import PREFERENCE, StageResult, policy_stage, selected_step, start_of
 from tunix_pipeline.tracking.step_metrics import metrics_backends
 from tunix_pipeline.train import pairs

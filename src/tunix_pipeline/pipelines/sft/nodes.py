@@ -5,17 +5,31 @@ import mlflow
 import pandas as pd
 
 from tunix_pipeline.config import (
-    ExportParams, GrpoParams, ModelParams, PlanParams, PreferenceParams, RuntimeParams, SftParams, TokenizeParams,
+    ExportParams,
+    GrpoParams,
+    ModelParams,
+    PlanParams,
+    PreferenceParams,
+    RuntimeParams,
+    SftParams,
+    TokenizeParams,
     TrackingParams,
 )
+from tunix_pipeline.core.paths import storage_path
+from tunix_pipeline.core.runtime import make_mesh
 from tunix_pipeline.evaluate.dev_eval import DevEval, log_curve
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
 from tunix_pipeline.planning import (
-    DoesNotFit, PlannedStage, build_plan, peak_flops_per_device, refusal, stage_planning, with_xla_check,
+    DoesNotFit,
+    PlannedStage,
+    build_plan,
+    peak_flops_per_device,
+    refusal,
+    stage_planning,
+    with_xla_check,
 )
-from tunix_pipeline.planning.grpo import refusal as grpo_refusal
 from tunix_pipeline.planning.disk import add_disk, disk_sessions, plan_disk
-from tunix_pipeline.core.runtime import make_mesh
+from tunix_pipeline.planning.grpo import refusal as grpo_refusal
 from tunix_pipeline.stages import GRPO, PREFERENCE, SFT, StageResult
 from tunix_pipeline.tracking.mlflow_runs import mlflow_name, remember_run
 from tunix_pipeline.tracking.step_metrics import MlflowBackend, metrics_backends
@@ -43,7 +57,7 @@ def train_sft(
     if live and lineage:
         mlflow.set_tags({mlflow_name(f"lineage.{k}"): v for k, v in lineage.items() if v is not None})
     if live and trains:
-        remember_run(sft.checkpoint_dir)
+        remember_run(storage_path(sft.checkpoint_dir))
     # the dev split's score and the best step (`sft.dev_eval`)
     dev = DevEval(sft.dev_eval, load_tokenizer(base_model["path"]), eval_formatted, "sft",
                   runtime.decode_weights) if sft.dev_eval and trains else None
