@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from tunix_pipeline.config import TrackingParams
+from tunix_pipeline.core.command import kedro_command
 from tunix_pipeline.tracking import mlflow_runs
 
 
@@ -94,7 +95,7 @@ def test_the_restart_rule(store):
 
 
 def test_a_run_started_from_python_records_its_kedro_run_equivalent():
-    command = mlflow_runs.kedro_command({
+    command = kedro_command({
         "env": "gpu_smoke", "pipeline_names": ["sft", "evaluate"], "from_nodes": ["train_sft"],
         "only_missing_outputs": True, "extra_params": {"sft": {"max_steps": 5}},
     })

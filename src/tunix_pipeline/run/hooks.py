@@ -212,24 +212,25 @@ class TrackingHooks:
 
         if not self._tracking or not self._tracking.enabled or not is_main_process():
             return
+        mlflow_runs = _mlflow_runs()
         training = trains(pipeline)
         pipelines = ",".join(p or "__default__" for p in run_params.get("pipeline_names") or [run_params.get("pipeline_name")])
         env = run_params.get("env") or self._env or settings.CONFIG_LOADER_ARGS["default_run_env"]
         # mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI; put the user's back afterwards
         self._user_uri = os.environ.get("MLFLOW_TRACKING_URI")
-        uri = _mlflow_runs().tracking_uri(self._tracking, self._project_path)
+        uri = mlflow_runs.tracking_uri(self._tracking, self._project_path)
         # The run a rerun follows: for --only-missing-outputs / --from-nodes / --to-nodes the last run of this
         # output root; for another run that trains, the run recorded beside the checkpoints it resumes
         output_root = validate_section(self._params, "runtime", RuntimeParams).output_root
-        if _mlflow_runs().is_restart(run_params):
-            previous = _mlflow_runs().recorded_run(self._local(output_root), uri)
+        if mlflow_runs.is_restart(run_params):
+            previous = mlflow_runs.recorded_run(self._local(output_root), uri)
         else:
-            previous = _mlflow_runs().recorded_run(self._local(self._params[SFT.name]["checkpoint_dir"]), uri) if training else None
+            previous = mlflow_runs.recorded_run(self._local(self._params[SFT.name]["checkpoint_dir"]), uri) if training else None
         resume, lineage = None, {}
         if previous is not None:
-            digest = _mlflow_runs().config_digest(_mlflow_runs().config_yaml(self._params))
-            resume, lineage = _mlflow_runs().restart_rule(uri, previous, env, digest)
-        self._run = _mlflow_runs().start_run(
+            digest = mlflow_runs.config_digest(mlflow_runs.config_yaml(self._params))
+            resume, lineage = mlflow_runs.restart_rule(uri, previous, env, digest)
+        self._run = mlflow_runs.start_run(
             uri,
             self._tracking,
             self._params,
@@ -237,15 +238,15 @@ class TrackingHooks:
                 "kedro.env": env,
                 "kedro.pipelines": pipelines,
                 "kedro.session_id": run_params.get("session_id"),
-                _mlflow_runs().COMMAND_TAG: _mlflow_runs().kedro_command(run_params),
-                "mlflow.source.git.commit": _mlflow_runs().git_commit(),
+                mlflow_runs.COMMAND_TAG: kedro_command(run_params),
+                "mlflow.source.git.commit": mlflow_runs.git_commit(),
                 **(session_tags(self._sessions) if training else {}),
                 **lineage,
             },
             run_id=resume,
             run_name=f"{pipelines}@{env}",
         )
-        _mlflow_runs().remember_run(self._local(output_root))
+        mlflow_runs.remember_run(self._local(output_root))
         if resume:
             log.info("MLflow run %s continued (restart of an unfinished run with the same configuration) in %s",
                      resume, uri)
@@ -264,24 +265,25 @@ class TrackingHooks:
 
     @hook_impl
     def after_node_run(self, node, catalog, outputs: dict) -> None:
+        mlflow_runs = _mlflow_runs()
         self._stop_monitor()
         if self._run is None:
             return
         for name, value in outputs.items():
             if name in self._tracking.log_outputs:
-                _mlflow_runs().log_output(name, value)
+                mlflow_runs.log_output(name, value)
         splits = {name: outputs[name] for name in ("train_records", "eval_records") if name in outputs}
         if splits:
             # the saved file is the dataset's source (kedro-datasets describe their path only in _describe())
             files = {name: catalog[name]._describe().get("filepath") for name in splits}
-            _mlflow_runs().log_splits(splits, files, [SourceParams.model_validate(s) for s in self._params["ingest"]["sources"]])
+            mlflow_runs.log_splits(splits, files, [SourceParams.model_validate(s) for s in self._params["ingest"]["sources"]])
         exported = outputs.get("exported_model")
         if exported and self._tracking.register_model.enabled:
             if "://" in exported["path"]:  # MLflow logs a model from a local folder
                 log.info("export in %s: not registered in MLflow (a local export.output_dir is)", exported["path"])
                 return
             base = catalog.load("base_model") if catalog.exists("base_model") else None
-            version = _mlflow_runs().register_model(exported, self._tracking.register_model, base)
+            version = mlflow_runs.register_model(exported, self._tracking.register_model, base)
             log.info("exported model registered in MLflow as %s", version["uri"])
 
     @hook_impl
@@ -299,15 +301,17 @@ class TrackingHooks:
 
     @hook_impl(trylast=True)
     def on_pipeline_error(self, error) -> None:
+        mlflow_runs = _mlflow_runs()
         if isinstance(error, TrainingInterrupted):  # a stop that saved, not a failure: MLflow's KILLED, and where
-            self._finish("KILLED", _mlflow_runs().stop_tags(error.signal_name, error.step, error.checkpoint_dir))
+            self._finish("KILLED", mlflow_runs.stop_tags(error.signal_name, error.step, error.checkpoint_dir))
         else:
             self._finish("FAILED")
 
     def _finish(self, status: str, tags: dict | None = None) -> None:
+        mlflow_runs = _mlflow_runs()
         self._stop_monitor()
         if self._run is not None:
-            _mlflow_runs().end_run(status, tags)
+            mlflow_runs.end_run(status, tags)
             self._run = None
             if self._user_uri is None:
                 os.environ.pop("MLFLOW_TRACKING_URI", None)
