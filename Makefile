@@ -30,7 +30,8 @@ PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadsc
 test: $(VENV)/.installed-test
 	$(PYTEST)
 
-# the edit-test loop: every test not marked slow (whole pipeline runs, real models, XLA:TPU compiles)
+# the edit-test loop: every test not marked slow (whole pipeline runs, processes of their own, real models, XLA:TPU
+# compiles: anything past ~10 s)
 test-quick: $(VENV)/.installed-test
 	$(PYTEST) -m "not slow"
 

@@ -150,6 +150,7 @@ def test_tagged_answer_prompts_generate_what_our_evaluation_generates(setup, tmp
         assert text == got.pop(0)
 
 
+@pytest.mark.slow  # lm-eval's task run through the model
 def test_tagged_answer_task_reads_answers_as_our_evaluation_does(tmp_path):
     """The shipped task reads each generation the three ways our evaluation does (strict, lenient, format)."""
     import lm_eval

@@ -60,17 +60,22 @@ def test_a_wrong_key_fails_before_any_node_runs(project):
     assert not list((project / "data").glob("0[2-8]_*/*")), "a node ran before validation"
 
 
+# a setting's mistake is found against the nodes' settings: Kedro loads every pipeline first (~12 s here)
+LOADS_PIPELINES = pytest.mark.slow
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--env", "tpu_ful"], "unknown environment 'tpu_ful' (--env): conf/ has base, gemma3_270m_cpu, "),
     (["--env", "tpu_ful"], "; did you mean tpu_full?"),
-    (["--params", "sft.learning_rat=1e-4"], "parameters: sft.learning_rat: unknown setting; did you mean "
-                                            "sft.learning_rate?"),
-    (["--params", "runtime.mesh={fsd: 8}"], "parameters: runtime.mesh.fsd: Input should be 'data', 'fsdp' or 'tp'"),
+    pytest.param(["--params", "sft.learning_rat=1e-4"], "parameters: sft.learning_rat: unknown setting; did you mean "
+                 "sft.learning_rate?", marks=LOADS_PIPELINES),
+    pytest.param(["--params", "runtime.mesh={fsd: 8}"],
+                 "parameters: runtime.mesh.fsd: Input should be 'data', 'fsdp' or 'tp'", marks=LOADS_PIPELINES),
     # sessions is read by the config loader and the hooks only (no node takes it): their error is as short
-    (["--params", "sessions.weekly_hour=20"], "parameters: sessions.weekly_hour: unknown setting; did you mean "
-                                              "sessions.weekly_hours?"),
-    (["--env", "tpu_full", "--params", "grpo.max_steps=0"], "parameters: grpo.max_steps: Input should be greater than 0 "
-                                                            "(got 0)"),
+    pytest.param(["--params", "sessions.weekly_hour=20"], "parameters: sessions.weekly_hour: unknown setting; did you "
+                 "mean sessions.weekly_hours?", marks=LOADS_PIPELINES),
+    pytest.param(["--env", "tpu_full", "--params", "grpo.max_steps=0"],
+                 "parameters: grpo.max_steps: Input should be greater than 0 (got 0)", marks=LOADS_PIPELINES),
 ])
 def test_a_user_mistake_is_one_line_without_a_traceback(project, args, message):
     result = subprocess.run([KEDRO, "run", "--pipelines=ingest", *args], cwd=project, capture_output=True, text=True,
@@ -125,6 +130,7 @@ def test_a_failing_node_marks_the_mlflow_run_failed(project):
     assert runs[0].data.tags["kedro.pipelines"] == "ingest"
 
 
+@pytest.mark.slow  # a kedro run (or viz) in a process of its own
 @pytest.mark.parametrize("flag", [["--pipeline", "ingest"], ["--pipelines=ingest"]])
 def test_cli_runs_a_pipeline_with_either_flag(project, flag):
     result = subprocess.run([KEDRO, "run", *flag], cwd=project, capture_output=True, text=True, env=os.environ)
@@ -136,6 +142,7 @@ def test_cli_runs_a_pipeline_with_either_flag(project, flag):
     assert runs[0].data.metrics["data_quality_report.totals.rows_read"] == 400
 
 
+@pytest.mark.slow  # a kedro run (or viz) in a process of its own
 def test_kedro_viz_build_shows_every_pipeline_with_layers(project):
     result = subprocess.run([KEDRO, "viz", "build"], cwd=project, capture_output=True, text=True, env=os.environ)
     assert result.returncode == 0, result.stderr[-3000:]

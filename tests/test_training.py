@@ -440,6 +440,7 @@ def test_a_failed_read_leaves_no_callback_on_a_closed_loop(tmp_path, monkeypatch
     assert not unraised, [str(u.exc_value) for u in unraised]
 
 
+@pytest.mark.slow  # a trainer run out of its time budget
 def test_session_budget_stops_with_a_checkpoint_in_time(tiny_model_dir, token_rows, tmp_path):
     import psutil
 
@@ -503,6 +504,7 @@ def test_kill_9_then_rerun_ends_bitwise_equal_to_an_uninterrupted_run(tiny_model
     assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
 
 
+@pytest.mark.slow  # a training process of its own
 def test_progress_lines_in_a_log_without_a_terminal(tiny_model_dir, rows_file, tmp_path):
     """Piped output (no TTY, no notebook): no bar, but lines with step, loss, useful tokens/s of the padded rate,
     the padding share and time left."""
