@@ -22,7 +22,6 @@ def flatten(tree: Mapping, prefix: str = "") -> dict:
     return flat
 
 
-
 def kedro_command(run_params: Mapping) -> str:
     """The command line of this run as typed; for a run started from Python (a notebook), its `kedro run` equivalent."""
     ctx = click.get_current_context(silent=True)
