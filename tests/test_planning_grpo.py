@@ -117,9 +117,10 @@ def test_grpo_compiles_for_a_kaggle_v5e_8():
         assert x["method"].startswith("compiled all 3 layers") and x["flops_per_device"] > 0
         print(f"GRPO {phase}: XLA:TPU {x['xla_gib']:.2f} GiB per chip, estimate {x['difference']:+.1%}, {x['seconds']:.0f} s")
         assert 0 < x["xla_gib"] < 16
-    # the update's estimate is held within 10% (+5.2% here; -1.1% to +1.8% at 6, 13 and 26 layers, RESULTS.md
-    # section 20); the decode step's is not yet (-20% at 3 layers, extrapolated -7.5% for Gemma-3-1B): printed only
-    assert abs(compiled["update"]["difference"]) < 0.10
+    # the compiled figure decides; the estimate (a first answer without libtpu) keeps only terms with a mechanism and
+    # is held within 20% of it (-8.0% at all 26 layers: RESULTS.md section 30); the decode step's is printed only
+    # (-20% at 3 layers, extrapolated -7.5% for Gemma-3-1B)
+    assert abs(compiled["update"]["difference"]) < 0.20
     # the plan rests on the compiled figures
     g = add_grpo(plan, grpo, plan_params, 9, compiled).polish["grpo"]["selected"]
     assert g["generation_from"] == g["update_from"] == g["update_flops_from"] == "XLA:TPU" and g["fits"]

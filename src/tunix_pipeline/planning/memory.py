@@ -220,10 +220,6 @@ def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float)
     held_per_layer, in_flight = (gathered, 0.0) if kept_until_backward else (0.0, 2 * gathered)
     relaid_per_layer, relaid_at_loss = _relaid_bytes(arch, s, frozen_bytes)
     held_per_layer += relaid_per_layer
-    # a LoRA GRPO update keeps one more [tokens, intermediate] a layer (fitted to the Kaggle recipes' updates at 6, 13
-    # and 26 layers, not explained: benchmarks/RESULTS.md, section 20)
-    if s.backend == "tpu" and s.mode != "full" and not s.loss_chunk:
-        held_per_layer += tokens * f / tp * a
     if s.remat == "none":
         activations = arch.num_layers * (one_layer + held_per_layer) + in_flight
     else:  # each block's input only; a layer's backward recomputes its activations after the loss
