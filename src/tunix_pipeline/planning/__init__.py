@@ -4,8 +4,9 @@
     plan = build_plan(model, sft, runtime, tokenize, plan_params)   # no weights read, nothing compiled
     print(markdown(plan)); plan.status  # ok | risky | over
 
-`check_against_xla(plan, ...)` adds XLA's own figure for the same train step,
-compiled ahead of time on a fake CPU mesh of the same shape (XLA:TPU for a TPU profile's topology).
+`check_against_xla(plan, ...)` adds XLA's own figure for the same train step, compiled ahead of time by the
+compiler that will run it where it is at hand (XLA:TPU for a TPU profile's topology, XLA:CPU for this CPU), which
+the plan then rests on; elsewhere on a fake CPU mesh of the same shape, to inform.
 `planning.preference` and `planning.grpo` add the later stages (`grpo_xla` compiles GRPO's programs).
 """
 

@@ -208,7 +208,7 @@ def check(plan, model, grpo: GrpoParams, max_layers: int | None = 4, params=None
     `decode_weights`: `runtime.decode_weights`); None when neither libtpu nor a TPU is at hand. A program that
     does not compile is reported as such."""
     try:
-        target = xla.tpu_target(plan.selected.hw) or _this_cpu(plan.selected.hw)
+        target = xla.compile_target(plan.selected.hw)
     except Exception as err:  # noqa: BLE001 - e.g. a topology libtpu does not know: the estimate stands
         return {"error": f"{type(err).__name__}: {err}", "topology": plan.selected.hw.topology}
     if target is None:
@@ -235,14 +235,6 @@ def check(plan, model, grpo: GrpoParams, max_layers: int | None = 4, params=None
     if arches and compiler == "XLA:TPU":
         out["judges"] = check_judges(plan, policy, grpo, arches, devices, max_layers)
     return out
-
-
-def _this_cpu(hw) -> tuple[str, tuple] | None:
-    """(name, devices) when the profile is the CPU this process runs on: GRPO's programs are then the very ones
-    the run compiles (a CPU run's host memory holds both): the real Gemma 3 270M's update in ~25 s on 2 cores."""
-    if hw.kind != "cpu" or jax.default_backend() != "cpu" or jax.device_count() < hw.devices:
-        return None
-    return "this CPU", tuple(jax.devices()[: hw.devices])
 
 
 def _compiled(compile_at, arch: Architecture, max_layers: int | None, period: int, estimate: float) -> dict:

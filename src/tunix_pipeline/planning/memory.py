@@ -9,16 +9,19 @@ the model, so a trained weight exists twice (the input and the update). AdamW
 keeps two moments in the parameter dtype, Adafactor factored second moments;
 gradient accumulation (optax.MultiSteps) keeps a gradient-sized accumulator.
 
-Temporaries, on an accelerator (what XLA:TPU keeps live, read off its compiled
-buffer assignment for Gemma-2B and Qwen2.5-0.5B on a v5e 2x4; `planning.xla`):
+Temporaries (what XLA:TPU keeps live, read off its compiled buffer assignment for
+Gemma-2B and Qwen2.5-0.5B on a v5e 2x4; `planning.xla`):
 the peak is the larger of the forward-backward pass's and the optimizer
 update's (XLA reuses the same memory for both). The forward-backward peak is at
 the loss: every layer's saved tensors, plus the output head's all-gathered
 weights and their unreduced gradient and the logits. Without remat a layer
 saves its activations (the softmax's output of the attention scores, the gated
-MLP's projections, q/k/v); with remat only its input. The XLA:CPU compiler
-keeps more (no bf16 matmul, fewer fusions): its counts are separate
-coefficients, checked by `tests/test_planning.py`.
+MLP's projections, q/k/v); with remat only its input.
+
+Every term has a mechanism; none is fitted. The estimate is the first answer (a
+GPU planned from here, a TPU without libtpu); where the run's own compiler is at
+hand (XLA:TPU, or XLA:CPU for this CPU, which keeps more: no bf16 matmul, fewer
+fusions) the plan rests on its compiled figure instead (`planning.xla_check`).
 """
 
 from __future__ import annotations
@@ -43,34 +46,6 @@ LANES = 128
 
 
 @dataclasses.dataclass(frozen=True)
-class Coefficients:
-    """How much of each kind of tensor XLA:CPU keeps (per token and per layer unless said otherwise)."""
-
-    mlp_bytes: dict  # per intermediate feature of the gated MLP (gate, up, product, ...), by compute dtype
-    hidden_copies: float  # batch x length x hidden tensors, compute dtype
-    score_bytes: dict  # per attention score (heads x length per token), by compute dtype
-    logit_f32_copies: float  # float32 batch x length x vocabulary buffers of the loss
-    logit_compute_copies: float  # the same in the compute dtype (bf16 models only)
-    head_copies: float  # the output head's all-gathered weight and its gradient, compute dtype
-    gathered_layers: float  # all-gathered layer weights kept for the backward pass, per layer (fsdp > 1)
-    vocab_over_tp: bool  # whether the logits and the output head are split over tp
-
-
-# XLA:CPU on the fake 8-device mesh (the tiny model; Gemma-2B shapes in float32). The CPU keeps
-# more of the GELU's intermediates and computes bf16 matmuls in float32.
-CPU = Coefficients(
-    mlp_bytes={"bfloat16": 28.8, "float32": 28.8},
-    hidden_copies=1.0,
-    score_bytes={"bfloat16": 7.5, "float32": 7.5},
-    logit_f32_copies=3.0,
-    logit_compute_copies=0.0,
-    head_copies=1.0,
-    gathered_layers=1.0,
-    vocab_over_tp=True,
-)
-
-
-@dataclasses.dataclass(frozen=True)
 class TrainSetup:
     """What memory depends on besides the model: how it is trained and sharded."""
 
@@ -81,7 +56,7 @@ class TrainSetup:
     tp: int = 1
     param_dtype: str = "float32"  # model.dtype
     compute_dtype: str | None = None  # sft.compute_dtype: bf16 compute over fp32 master weights
-    backend: str = "tpu"  # cpu | gpu | tpu: which fitted coefficients apply
+    backend: str = "tpu"  # cpu | gpu | tpu: XLA:TPU's lane tiles apply on a TPU only
     mode: str = "full"  # full | lora | qlora
     lora_rank: int = 16
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
@@ -163,8 +138,7 @@ def estimate_memory(arch: Architecture, setup: TrainSetup) -> MemoryEstimate:
     if s.grad_accum > 1:
         optimizer += trainable_dev * p  # optax.MultiSteps' gradient accumulator
 
-    kept = _kept_on_cpu if s.backend == "cpu" else _kept_on_accelerator
-    activations, logits, one_layer = kept(arch, s, frozen_bytes)
+    activations, logits, one_layer = _kept(arch, s, frozen_bytes)
     # the larger of the forward-backward pass's peak (at the loss) and a layer's backward or the
     # optimizer update's (the gradients, with one layer's working set): XLA reuses the same memory
     peak = params + optimizer + max(activations + logits, grads + one_layer)
@@ -183,11 +157,10 @@ def estimate_memory(arch: Architecture, setup: TrainSetup) -> MemoryEstimate:
 def forward_layer_bytes(arch: Architecture, setup: TrainSetup) -> float:
     """Per device: one layer's activations at `setup`'s batch and length, what a forward pass without a
     backward (a judge's scoring call) holds at a time; the same count as a layer saves for its backward."""
-    kept = _kept_on_cpu if setup.backend == "cpu" else _kept_on_accelerator
-    return kept(arch, setup, setup.c_bytes)[2]
+    return _kept(arch, setup, setup.c_bytes)[2]
 
 
-def _kept_on_accelerator(arch: Architecture, s: TrainSetup, frozen_bytes: float) -> tuple[float, float, float]:
+def _kept(arch: Architecture, s: TrainSetup, frozen_bytes: float) -> tuple[float, float, float]:
     """(saved for the backward pass by every layer, the loss's buffers, one layer's backward), bytes
     per device, as XLA:TPU keeps them (its buffer assignment for Gemma-2B, Qwen2.5-0.5B and the 7M
     pod model's steps on v5e and v4 topologies; `planning.xla`)."""
@@ -280,34 +253,6 @@ def _relaid_bytes(arch: Architecture, s: TrainSetup, frozen_bytes: float) -> tup
     second_gradient = arch.vocab_size * arch.hidden_size * s.c_bytes
     return (copies * arch.layer_matrix_params / shards * s.p_bytes,
             second_gradient + copies * arch.embedding_params / shards * s.p_bytes)
-
-
-def _kept_on_cpu(arch: Architecture, s: TrainSetup, frozen_bytes: float) -> tuple[float, float, float]:
-    """The same for XLA:CPU on the fake mesh, with coefficients fitted to its compiled figures."""
-    k = CPU
-    c = s.c_bytes
-    tokens = s.per_device_batch * s.seq_len
-    d, f, layers = arch.hidden_size, arch.intermediate_size, arch.num_layers
-    per_token = (k.mlp_bytes[s.c_dtype] * f + k.hidden_copies * d * c) / s.tp
-    scores = arch.num_heads * s.seq_len / s.tp * k.score_bytes[s.c_dtype]
-    layer_weights = arch.layer_matrix_params / s.tp * (c if s.mode == "full" else frozen_bytes)
-    gathered = k.gathered_layers * layer_weights if s.fsdp > 1 else 0.0
-    one_layer = tokens * (per_token + scores)
-    if s.remat == "none":
-        activations = layers * (one_layer + gathered)
-    else:  # each block's input (and output) is kept; one layer at a time is recomputed
-        kept = (4 if s.remat == "attention" else 1) * tokens * d / s.tp * c
-        activations = layers * (kept + gathered) + one_layer
-
-    vocab_tp = s.tp if k.vocab_over_tp else 1
-    vocab_dev = arch.vocab_size / vocab_tp
-    f32_positions = s.per_device_batch * (min(s.loss_chunk, s.seq_len) if s.loss_chunk else s.logit_positions or s.seq_len)
-    compute_copies = k.logit_compute_copies if c < 4 else 0.0
-    logits = vocab_dev * f32_positions * (k.logit_f32_copies * 4 + compute_copies * c)
-    head = arch.vocab_size * d / vocab_tp * c
-    logits += k.head_copies * head if s.fsdp > 1 else head
-    logits += arch.embedding_params / (s.fsdp * s.tp) * s.p_bytes if s.mode == "full" else 0.0  # embedding gradients
-    return activations, logits, one_layer
 
 
 def _adafactor_state(arch: Architecture, s: TrainSetup) -> float:

@@ -45,8 +45,9 @@ class Row:
     preemptible_cost: float | None
     within_budget: bool
     notes: tuple[str, ...] = ()
-    compiled_peak: float | None = None  # XLA:TPU's memory_analysis() of this very step, when compiled
+    compiled_peak: float | None = None  # memory_analysis() of this very step, when its compiler compiled it
     compiled_flops: float | None = None  # its cost_analysis() FLOPs per optimizer step, all devices
+    compiled_by: str | None = None  # that compiler: XLA:TPU, or XLA:CPU for this CPU
     mfu: float = 0.0  # the assumed MFU the step time rests on
 
     @property
@@ -95,14 +96,14 @@ class Plan:
             "gradient_accumulation": s.setup.grad_accum,
             "mesh": s.setup.mesh,
             "memory_per_device_gib": round(s.peak / GIB, 3),
-            "memory_from": "XLA:TPU" if s.compiled_peak is not None else "estimate",
+            "memory_from": s.compiled_by if s.compiled_peak is not None else "estimate",
             "estimated_memory_per_device_gib": round(s.memory.peak / GIB, 3),
             "usable_memory_gib": round(s.usable_bytes / GIB, 3),
             "memory_fraction": round(s.memory_fraction, 4),
             "memory": s.memory.as_dict(),
             "step_seconds": s.step_seconds,
             "flops_per_step": s.compiled_flops or self.job.flops_per_step(s.global_batch, s.setup.remat),
-            "flops_from": "XLA:TPU" if s.compiled_flops is not None else "estimate",
+            "flops_from": s.compiled_by if s.compiled_flops is not None else "estimate",
             "mfu": s.mfu,
             "samples_per_hour": s.samples_per_hour,  # rows of sequence_length tokens, padding included
             "goodput": self.goodput,
@@ -158,7 +159,7 @@ class Plan:
 # ---------------------------------------------------------------- one profile
 def evaluate(job: Job, name: str, hw: HardwareProfile, plan: PlanParams, setup: TrainSetup | None = None,
              compiled: dict | None = None) -> Row:
-    """The job on `hw`; `compiled`: XLA:TPU's figures for this very setup (`check_against_xla`), used
+    """The job on `hw`; `compiled`: its compiler's figures for this very setup (`check_against_xla`), used
     in place of the estimate's memory and FLOPs."""
     if setup is None:
         setup, global_batch = setup_on(job, hw)
@@ -213,6 +214,7 @@ def evaluate(job: Job, name: str, hw: HardwareProfile, plan: PlanParams, setup: 
         notes=tuple(notes),
         compiled_peak=compiled_peak,
         compiled_flops=compiled_flops,
+        compiled_by=compiled["compiler"] if compiled else None,
         mfu=mfu,
     )
 
@@ -252,7 +254,7 @@ def _sessions(job: Job, hw: HardwareProfile, plan: PlanParams, steps: int, step_
 
 # ---------------------------------------------------------------- the whole plan
 def make_plan(job: Job, plan: PlanParams, selected: tuple[str, HardwareProfile], compiled: dict | None = None) -> Plan:
-    """`compiled`: XLA:TPU's figures for the selected run (`check_against_xla`), which it then rests on."""
+    """`compiled`: its compiler's figures for the selected run (`check_against_xla`), which it then rests on."""
     name, hw = selected
     rows = [evaluate(job, n, p, plan) for n, p in plan.profiles.items()]
     chosen = evaluate(job, name, hw, plan, compiled=compiled)

@@ -145,7 +145,7 @@ def markdown_section(plan: Plan) -> list[str]:
     ]
     if p.get("xla_check"):
         x = p["xla_check"]
-        where = f"by XLA:TPU for {x['topology']}" if x.get("platform") == "tpu" else "on a fake CPU mesh"
+        where = f"by {x['compiler']} for {x['topology']}" if x.get("compiler") else "on a fake CPU mesh"
         lines += [f"Checked against XLA (the policy's step compiled {where}, {x.get('dtype')}, without "
                   "the reference): " + (f"XLA {size(x['xla_gib'] * GIB)}, estimate {size(x['estimate_gib'] * GIB)} "
                                         f"({x['difference']:+.0%})." if "xla_gib" in x

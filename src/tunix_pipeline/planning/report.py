@@ -17,7 +17,7 @@ def _money(x: float | None) -> str:
 def _row(r: Row, selected: str, recommended: str | None) -> str:
     s = r.setup
     mark = " **(this run)**" if r.profile == selected else ""
-    xla = " (XLA:TPU)" if r.compiled_peak is not None else ""
+    xla = f" ({r.compiled_by})" if r.compiled_peak is not None else ""
     mark += " **(recommended)**" if r.profile == recommended else ""
     fits = f"{r.memory_fraction:.0%}" if r.fits else f"**no** ({r.memory_fraction:.0%})"
     sessions = "-" if r.steps_per_session is None else (str(r.sessions) if r.sessions else "never")
@@ -51,7 +51,7 @@ def _header(plan: Plan) -> list[str]:
         f"On **{s.profile}** ({s.hw.devices} x {s.hw.memory_gib:.3g} GiB, mesh data x fsdp x tp = "
         f"{s.setup.data}x{s.setup.fsdp}x{s.setup.tp}): {status} — {size(s.peak)} per device of "
         f"{size(s.usable_bytes)} usable"
-        + (f" (XLA:TPU's figure for the compiled step; the estimate says {size(m.peak)})" if s.compiled_peak is not None else "")
+        + (f" ({s.compiled_by}'s figure for the compiled step; the estimate says {size(m.peak)})" if s.compiled_peak is not None else "")
         + f"; {_hours(s.hours)}, {_money(s.cost)}.",
         "",
         "| per device | estimate |",
@@ -123,7 +123,7 @@ def markdown(plan: Plan) -> str:
     ]
     lines += [_row(r, s.profile, plan.recommended.profile if plan.recommended else None) for r in plan.rows]
     a = plan.assumptions
-    flops = "XLA:TPU's FLOPs of the compiled step" if s.compiled_flops is not None else "FLOPs per step estimated from the shapes"
+    flops = f"{s.compiled_by}'s FLOPs of the compiled step" if s.compiled_flops is not None else "FLOPs per step estimated from the shapes"
     lines += [
         "",
         f"Assumptions: MFU {s.mfu:g} on {s.profile} is **assumed**, not measured here "
@@ -146,16 +146,17 @@ def xla_section(x: dict) -> list[str]:
             f"({x['error']}); the plan above counts at least {size(x['xla_gib'] * GIB)} per device."
         ]
     if x.get("does_not_compile"):
-        return lines + [f"**The train step does not compile for {x['topology']} (XLA:TPU):** {x['error']}"]
+        return lines + [f"**The train step does not compile for {x['topology']}:** {x['error']}"]
     if x.get("error"):
         return lines + [f"Not checked: {x['error']}"]
-    if x["platform"] == "tpu":
+    if x.get("compiler"):
+        where = "no weights, no TPU needed" if x["platform"] == "tpu" else "no weights"
         return lines + [
-            f"The run's own train step compiled by XLA:TPU for {x['topology']} ({x['method']}; abstract shapes, "
-            f"no weights, no TPU needed) in {x['seconds']:.0f} s, mesh {x['mesh']}, {x['dtype']}: the plan above "
+            f"The run's own train step compiled by {x['compiler']} for {x['topology']} ({x['method']}; abstract shapes, "
+            f"{where}) in {x['seconds']:.0f} s, mesh {x['mesh']}, {x['dtype']}: the plan above "
             "uses its memory and FLOPs.",
             "",
-            "| per device | estimate | XLA:TPU | difference |",
+            f"| per device | estimate | {x['compiler']} | difference |",
             "|---|---:|---:|---:|",
             f"| peak memory (memory_analysis()) | {size(x['estimate_gib'] * GIB)} | {size(x['xla_gib'] * GIB)} | "
             f"{x['difference']:+.1%} |",
@@ -177,7 +178,7 @@ def xla_section(x: dict) -> list[str]:
         lines += [
             "",
             "XLA:CPU keeps more than XLA:TPU/GPU (fewer fusions, float32 matmuls), so this program needs more "
-            "memory than the accelerator run above; the estimate has coefficients fitted to each compiler.",
+            "memory than the accelerator run above: the estimate counts what an accelerator's compiler keeps.",
         ]
     return lines
 
@@ -239,7 +240,7 @@ def refusal(plan: Plan) -> str:
     compiled = ""
     if s.compiled_peak is not None and plan.xla:
         compiled = (f" at least (XLA:TPU refuses to compile it for {plan.xla['topology']})" if plan.xla.get("out_of_memory")
-                    else f" (XLA:TPU, compiled for {plan.xla['topology']})")
+                    else f" ({s.compiled_by}, compiled for {plan.xla['topology']})")
     lines = [
         f"{plan.job.arch.name} ({plan.job.mode} fine-tuning, {plan.job.param_dtype}, per-device batch "
         f"{s.setup.per_device_batch} x {plan.job.seq_len} tokens, mesh {s.setup.mesh}) does not fit {s.profile}: "

@@ -295,6 +295,20 @@ def tpu_target(hw) -> tuple[str, tuple] | None:
     return None
 
 
+def cpu_target(hw) -> tuple[str, tuple] | None:
+    """(name, devices) when the profile is the CPU this process runs on: XLA:CPU then compiles the very programs the
+    run compiles (the real Gemma 3 270M's GRPO update in ~25 s on 2 cores)."""
+    if hw.kind != "cpu" or jax.default_backend() != "cpu" or jax.device_count() < hw.devices:
+        return None
+    return "this CPU", tuple(jax.devices()[: hw.devices])
+
+
+def compile_target(hw) -> tuple[str, tuple] | None:
+    """(name, devices) of the compiler that will run the profile's programs, when it is at hand: XLA:TPU for a TPU
+    (attached, or its topology through libtpu), XLA:CPU for this CPU; None elsewhere (a GPU from here)."""
+    return tpu_target(hw) or cpu_target(hw)
+
+
 # ---------------------------------------------------------------- out of process
 def request(arch: Architecture, setup: TrainSetup, max_layers: int | None, lora=None) -> dict:
     return {

@@ -101,8 +101,9 @@ def check_sft_fits(
     seq_len = len(train_tokens["input_tokens"].iloc[0]) if len(train_tokens) else None
     result = build_plan(model, sft, runtime, tokenize, plan, base_model.get("path"), seq_len, len(train_tokens),
                         tokenize_report=tokenize_report)
-    # on a TPU (attached, or a profile's topology with libtpu) the fit is XLA:TPU's compiled figure
-    result = with_xla_check(result, model, plan, tpu_only=True)
+    # the fit is the compiled figure where the run's own compiler is at hand: XLA:TPU (an attached TPU, or a
+    # profile's topology with libtpu), XLA:CPU on this CPU
+    result = with_xla_check(result, model, plan, compiled_only=True)
     if export is not None and preference is not None and grpo is not None:  # this session's outputs only
         result = add_disk(result, plan_disk(
             result.job.arch, result.selected.setup, result.selected.hw,
