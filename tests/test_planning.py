@@ -120,6 +120,27 @@ def test_a_program_compiled_before_is_read_back_with_its_figures(tmp_path):
         compiled_figures._IN_PROCESS.clear()
 
 
+def test_without_a_compilation_cache_the_figures_are_kept_in_the_temporary_folder(tmp_path, monkeypatch):
+    # `kedro run` after `kedro run --pipelines=plan` reads back what the plan compiled, JAX's cache set or not
+    import jax
+
+    from tunix_pipeline.planning import compiled_figures
+
+    kept = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    compiled_figures._IN_PROCESS.clear()
+    try:
+        first = xla.compile_step(TINY, TINY_SETUP.replace(per_device_batch=3))
+        [entry] = (tmp_path / "tunix-pipeline-xla-figures").glob("*.json")
+        compiled_figures._IN_PROCESS.clear()  # another process
+        again = xla.compile_step(TINY, TINY_SETUP.replace(per_device_batch=3))
+        assert again["compiled_before"] and again["peak"] == first["peak"] == json.loads(entry.read_text())["peak"]
+    finally:
+        jax.config.update("jax_compilation_cache_dir", kept)
+        compiled_figures._IN_PROCESS.clear()
+
+
 def test_parameter_count_is_the_abstract_models():
     from flax import nnx
 

@@ -8,9 +8,12 @@ JAX, jaxlib and libtpu. The same key is the same compile, so a figure read back 
 give again; a program XLA:TPU refuses for memory is kept as that refusal. Other failures are not kept.
 
 The figures live beside JAX's persistent compilation cache, in `<jax_compilation_cache_dir>/xla-figures/`,
-when one is set (JAX_COMPILATION_CACHE_DIR), and for this process only otherwise: a TPU topology's programs
-compiled on compile-only devices cannot be read back from JAX's own cache (`xla._unpersisted`), their figures
-can. An unreadable entry is compiled again.
+when one is set (JAX_COMPILATION_CACHE_DIR), and otherwise in the machine's temporary folder
+(`tunix-pipeline-xla-figures/`): a few hundred bytes a program, so the sft preflight of `kedro run` after
+`kedro run --pipelines=plan` in the same session reads back what the plan compiled (minutes of XLA:TPU) without a
+cache of executables on the session's disk. A TPU topology's programs compiled on compile-only devices cannot be
+read back from JAX's own cache (`xla._unpersisted`), their figures can. An unreadable entry is compiled again; a
+folder that cannot be written keeps them for the process.
 """
 
 from __future__ import annotations
@@ -58,16 +61,16 @@ def method(how: str, *parts: dict) -> str:
     return f"{how}; read back from the same program's compile" if all(p.get("compiled_before") for p in parts) else how
 
 
-def _folder() -> Path | None:
+def _folder() -> Path:
     root = jax.config.jax_compilation_cache_dir
-    return Path(root) / "xla-figures" if root else None
+    return Path(root) / "xla-figures" if root else Path(tempfile.gettempdir()) / "tunix-pipeline-xla-figures"
 
 
 def read(entry: str) -> dict | None:
     """The figures kept for `entry`; raises `Refused` for a kept refusal; None when nothing (readable) is kept."""
     figures = _IN_PROCESS.get(entry)
     folder = _folder()
-    if figures is None and folder is not None:
+    if figures is None:
         try:
             figures = json.loads((folder / f"{entry}.json").read_text())
         except (OSError, ValueError):
@@ -83,8 +86,6 @@ def write(entry: str, figures: dict) -> None:
     """Keep `figures` (or `{"refused": message}`) for `entry`; a folder that cannot be written keeps it in memory."""
     _IN_PROCESS[entry] = dict(figures)
     folder = _folder()
-    if folder is None:
-        return
     tmp = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
