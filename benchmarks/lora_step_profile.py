@@ -9,6 +9,10 @@ split ingested, formatted with its instruction and packed to 512 tokens by the p
 is the trainer's (`train.loss.loss_fn_for`, `train.optim.make_optimizer`, the LoRA adapters differentiated) as one
 `nnx.jit` program, on one CPU device.
 
+Also the process's resident memory after each stage (imports, data, the model, the compile, the steps: read from
+`/proc/self/statm`, before the profiled step) beside XLA's memory analysis of the step (arguments, temporaries,
+outputs), so what the program holds can be told from what the process holds around it.
+
 Reports the median step's seconds after two warm-up steps, the useful (non-padding) tokens a step and a second, the
 step's FLOPs from XLA's cost analysis of the compiled program and their rate against this CPU's measured float32
 matmul peak (`common.matmul_peak_gflops`), and XLA's operations in one profiled step (`jax.profiler`, which slows
@@ -24,6 +28,7 @@ import glob
 import gzip
 import json
 import re
+import resource
 import sys
 import tempfile
 import time
@@ -51,6 +56,14 @@ def recipe_settings():
                           eval_fraction=recipe["ingest"]["eval_fraction"])
     return (ModelParams(source=f"pypi:{PACKAGE}", lora=recipe["model"]["lora"]), sft, FormatParams(**recipe["format"]),
             TokenizeParams(**recipe["tokenize"]), ingest)
+
+
+def resident_gib() -> float | None:
+    """This process's resident memory now (Linux), GiB."""
+    try:
+        return round(int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**30, 3)
+    except OSError:
+        return None
 
 
 def category(op_name: str) -> str:
@@ -118,6 +131,7 @@ def main() -> None:
     from tunix_pipeline.train.optim import make_optimizer
 
     machine = common.machine()
+    resident = {"imports": resident_gib()}
     model_params, sft, format_params, tokenize_params, ingest_params = recipe_settings()
     folder = resolve_model_dir(model_params.model_copy(update={"local_dir": str(Path(args.work) / "base_model")}))
     tokenizer = load_tokenizer(folder)
@@ -130,12 +144,14 @@ def main() -> None:
         part = rows.iloc[i * batch:(i + 1) * batch]
         return {k: jnp.asarray(np.stack(part[k].to_numpy()).astype(np.int32)) for k in TOKEN_COLUMNS[1:]}
 
+    resident["data"] = resident_gib()
     mesh = make_mesh(RuntimeParams(mesh="auto"), devices=jax.devices()[:1])
     model, _ = load_run_model(folder, model_params, mesh, remat=sft.remat, compute_dtype=sft.compute_dtype)
     optimizer = nnx.Optimizer(model, make_optimizer(sft, sft.max_steps), wrt=nnx.LoRAParam)
     loss_fn = loss_fn_for(sft)
 
     graphdef, state = nnx.split((model, optimizer))
+    resident["model"] = resident_gib()
 
     @jax.jit
     def step(state, tokens):  # the trainer's step, as a pure function of the model's and optimizer's state
@@ -148,9 +164,12 @@ def main() -> None:
         compiled = step.lower(state, batch_at(0)).compile()
         cost = compiled.cost_analysis()
         flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost).get("flops", 0.0))
+        memory = compiled.memory_analysis()
+        resident["compiled"] = resident_gib()
         for i in range(2):  # the second call compiles again: the state it gets back is typed as the step returns it
             loss, state = step(state, batch_at(i))
             float(loss)  # finished before the timed steps start (JAX dispatches asynchronously)
+        resident["warm-up steps"] = resident_gib()
         seconds, useful = [], []
         for i in range(2, 2 + args.steps):
             tokens = batch_at(i)
@@ -159,6 +178,8 @@ def main() -> None:
             float(loss)
             seconds.append(time.perf_counter() - started)
             useful.append(int(np.sum(np.asarray(tokens["segment_ids"]) > 0)))
+            resident[f"step {i + 1}"] = resident_gib()
+        resident["peak so far"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)  # KiB on Linux
         profiled = profile(step, (state, batch_at(2 + args.steps)), compiled.as_text())
     median = float(np.median(seconds))
     peak = common.matmul_peak_gflops()
@@ -171,6 +192,9 @@ def main() -> None:
         "xla_gflops_per_step": round(flops / 1e9, 1), "gflops_per_s": round(flops / 1e9 / median, 1),
         "matmul_peak": peak, "share_of_matmul_peak": round(flops / 1e9 / median / peak["matmul_peak_gflops"], 3),
         "profile": profiled,
+        "resident_gib": resident,
+        "xla_gib": {name: round(getattr(memory, f"{name}_size_in_bytes") / 2**30, 3)
+                    for name in ("argument", "temp", "output", "alias")},
     }
     common.emit(out, args.out)
 
