@@ -193,6 +193,9 @@ def test_grpo_full_weights_trains_checkpoints_and_resumes(tiny_model_dir, tokeni
     model, _ = load_model(tiny_model_dir, mesh, "float32")
     again = grpo.train_grpo(model, tokenizer, grpo.prepare(formatted, tokenizer, longer, mesh), longer, mesh)
     assert again["steps_this_run"] == 0 and len(again["history"]) == 3
+    # the training time is every run's: nothing trained keeps it
+    assert resumed["train_seconds"] == pytest.approx(result["train_seconds"] + resumed["seconds_this_run"])
+    assert again["train_seconds"] == pytest.approx(resumed["train_seconds"] + again["seconds_this_run"])
 
 
 def test_grpo_with_lora_trains_only_adapters_without_a_reference(tiny_model_dir, tokenizer, formatted, tmp_path):

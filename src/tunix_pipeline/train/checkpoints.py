@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import jax
 import numpy as np
@@ -26,6 +27,9 @@ from tunix_pipeline.upstream import loops_finish_their_tasks, pending_loss
 log = logging.getLogger(__name__)
 HISTORY_FILE = "loss_history.json"
 DEV_CURVE_FILE = "dev_curve.json"  # `dev_eval`'s scores of the dev split, a point per dev step
+# the training wall time to each saved step, every run's: apart from the loss history, which is the same bit for
+# bit on every process and every rerun, where a time is not
+SECONDS_FILE = "train_seconds.json"
 
 
 class CheckpointError(UserError, FileNotFoundError):
@@ -218,6 +222,29 @@ def save_history(ckpt_dir: epath.Path, history: list[dict], name: str = HISTORY_
     tmp = ckpt_dir / (name + ".tmp")
     tmp.write_text(json.dumps(history))
     tmp.replace(ckpt_dir / name)
+
+
+class TrainClock:
+    """A stage's training wall time, every run's: a run that resumes, or has nothing left to train, goes on from the
+    time saved with the step it restored (`SECONDS_FILE`)."""
+
+    def __init__(self, ckpt_dir: epath.Path, start_step: int):
+        self.ckpt_dir, self.started = ckpt_dir, time.perf_counter()
+        self.saved = load_history(ckpt_dir, start_step, SECONDS_FILE)
+        self.before = self.saved[-1]["train_seconds"] if self.saved else 0.0
+
+    def this_run(self) -> float:
+        return time.perf_counter() - self.started
+
+    def total(self) -> float:
+        return self.before + self.this_run()
+
+    def save(self, step: int) -> float:
+        """The time so far, kept as that of `step` (a step saved now)."""
+        total = self.total()
+        self.saved = [s for s in self.saved if s["step"] < step] + [{"step": step, "train_seconds": total}]
+        save_history(self.ckpt_dir, self.saved, SECONDS_FILE)
+        return total
 
 
 def new_losses(trainer, start_step: int) -> list[dict]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from dataclasses import dataclass
 
 import jax
@@ -143,13 +142,13 @@ def train_grpo(
         history = checkpoints.load_history(root, start_step, HISTORY_FILE)
         if dev:  # its curve beside the reward history; the checkpoints it keeps are the actor's
             dev.start(cluster.actor_trainer, mesh, root, params.batch_size)
-        started = time.perf_counter()
+        clock = checkpoints.TrainClock(root, start_step)
         feed = PromptFeed(rows, params.batch_size, params.seed, rollout)
         _learn(cluster, lambda: learner_cls(rl_cluster=cluster, algo_config=algo_config,
                                             reward_fns=rewards.tunix_reward_fns(), metric_fns=[rewards.metric_fn]),
                feed, start_step, params.max_steps, root)
-        seconds = time.perf_counter() - started
         end_step = cluster.actor_trainer.train_steps
+        seconds = clock.save(end_step) if end_step > start_step else clock.total()
         if dev and not feed.interrupted:
             dev.catch_up(end_step, mesh)
 
@@ -182,7 +181,8 @@ def train_grpo(
         "reward_trend": trend,
         "evaluation_note": note,
         "history": history,
-        "train_seconds": seconds,
+        "train_seconds": seconds,  # every run's, to the latest step
+        "seconds_this_run": seconds - clock.before,
         **(dev.summary(end_step) if dev else checkpoints.no_dev_eval(end_step)),
     }
 

@@ -214,18 +214,23 @@ def process_start() -> float:
 # ---------------------------------------------------------------- the run loop (SFT and preference)
 def fit(trainer, feed: BatchFeed, ckpt_dir: epath.Path, stage: str, max_steps: int) -> dict:
     """Trains a restored `trainer` to `max_steps` on `feed`'s batches, keeping the loss history beside the
-    checkpoints. Returns the run's figures; `history` holds every step's loss since step 0."""
+    checkpoints. Returns the run's figures; `history` holds every step's loss since step 0, `train_seconds` every
+    run's training time to the latest step."""
     start_step = trainer.train_steps
     history = checkpoints.load_history(ckpt_dir, start_step)
-    upstream.record_history_with_checkpoints(
-        trainer, lambda: checkpoints.save_history(ckpt_dir, history + checkpoints.new_losses(trainer, start_step))
-    )
+    clock = checkpoints.TrainClock(ckpt_dir, start_step)
+
+    def record(step: int) -> None:
+        checkpoints.save_history(ckpt_dir, history + checkpoints.new_losses(trainer, start_step))
+        clock.save(step)
+
+    upstream.record_history_with_checkpoints(trainer, record)
     if start_step:
         log.info("resuming %s from checkpoint step %d in %s", stage, start_step, ckpt_dir)
-    started = time.perf_counter()
     if start_step < max_steps:
         with stop_on_signals(feed):
             trainer.train([], feed.evals or None)  # batches come from the data hook
+        clock.save(trainer.train_steps)
     else:
         trainer.close()
     return {
@@ -235,7 +240,8 @@ def fit(trainer, feed: BatchFeed, ckpt_dir: epath.Path, stage: str, max_steps: i
         "steps_this_run": trainer.train_steps - start_step,
         "stopped_early": feed.stop_reason,
         "history": history,
-        "train_seconds": time.perf_counter() - started,
+        "train_seconds": clock.total(),  # every run's, to the latest step
+        "seconds_this_run": clock.this_run(),
         **throughput_summary(trainer, feed, start_step),
     }
 

@@ -142,7 +142,7 @@ def log_aux_metrics(trainer, names) -> None:
 
 # ---------------------------------------------------------------- The last step's loss is written one step late
 def record_history_with_checkpoints(trainer, write_history) -> None:
-    """`write_history()` after each checkpoint the trainer saves (wraps its manager's `save`), so a killed run's
+    """`write_history(step)` after each checkpoint the trainer saves (wraps its manager's `save`), so a killed run's
     loss curve survives with its checkpoint, including the step Tunix has not written yet."""
     manager = trainer.checkpoint_manager
     save = manager.save
@@ -150,7 +150,7 @@ def record_history_with_checkpoints(trainer, write_history) -> None:
     def save_and_record(step, *args, **kwargs):
         saved = save(step, *args, **kwargs)
         if saved:
-            write_history()
+            write_history(step)
         return saved
 
     manager.save = save_and_record
