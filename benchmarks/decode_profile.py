@@ -69,7 +69,6 @@ def step_seconds(sampler, prompt: str, steps: int) -> float:
 
 def parts(model) -> dict:
     """The output layer and one layer's attention over 768 positions, timed alone at the sampler's shapes."""
-    import jax
     import jax.numpy as jnp
 
     cfg = model.config
