@@ -320,7 +320,7 @@ def test_sft_trains_checkpoints_and_resumes_exactly(tiny_model_dir, token_rows, 
     second = train(model, token_rows, token_rows.head(4), _sft(tmp_path / "b"), mesh)
     assert (second["resumed_from_step"], second["latest_step"], second["steps_this_run"]) == (4, 6, 2)
     assert [h["step"] for h in second["history"]] == list(range(1, 7))
-    # the training time is every run's, carried with the checkpoints' history
+    # the training time is every run's, kept beside the checkpoints
     assert second["train_seconds"] == pytest.approx(first["train_seconds"] + second["seconds_this_run"], abs=0.01)
     # bitwise: the resumed run executes the same compiled step on the same restored state and batches
     expected, got = _params(straight), _params(model)
