@@ -20,7 +20,7 @@ from tunix_pipeline.data.tokenization import token_arrays, tokenize_split
 from tunix_pipeline.evaluate.evaluation import evaluate_loss
 from tunix_pipeline.models import compute_logits, load_model
 from tunix_pipeline.core.runtime import MeshError, global_batch_size, make_mesh, process_rows
-from tunix_pipeline.train.checkpoints import restore_latest
+from tunix_pipeline.train.checkpoints import HISTORY_FILE, SECONDS_FILE, TrainClock, load_history, restore_latest
 from tunix_pipeline.train.loop import BatchFeed
 from tunix_pipeline.train.loss import completion_loss, model_inputs
 from tunix_pipeline.train.optim import make_optimizer
@@ -335,6 +335,25 @@ def test_sft_trains_checkpoints_and_resumes_exactly(tiny_model_dir, token_rows, 
     fresh, _ = load_model(tiny_model_dir, mesh)
     assert restore_latest(fresh, tmp_path / "b" / "ckpt") == 6
     assert np.array_equal(_params(fresh)["embedder.input_embedding"], got["embedder.input_embedding"])
+
+
+@pytest.mark.parametrize("text", ["[{\"step\": 1, \"loss\": 2.0}, {\"st", "{\"step\": 1}", "[1, 2]", "\udcff"])
+def test_a_damaged_history_file_is_set_aside_and_the_run_goes_on(tmp_path, caplog, text):
+    """A history beside the checkpoints edited or cut short by hand: one warning line, the file kept aside, the
+    resume goes on without the values it held (the checkpoints themselves are intact)."""
+    from etils import epath
+
+    ckpt = epath.Path(tmp_path)
+    for name in (HISTORY_FILE, SECONDS_FILE):
+        (tmp_path / name).write_text(text, errors="surrogateescape")
+    assert load_history(ckpt, 6) == []
+    assert TrainClock(ckpt, 6).before == 0.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [HISTORY_FILE + ".corrupt", SECONDS_FILE + ".corrupt"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 2 and all("cannot be read" in w and "\n" not in w for w in warnings), warnings
+    # the next save writes a good file again
+    TrainClock(ckpt, 6).save(7)
+    assert load_history(ckpt, 7, SECONDS_FILE)[0]["step"] == 7
 
 
 def _adam_state(step_dir):

@@ -212,7 +212,15 @@ def load_history(ckpt_dir: epath.Path, upto_step: int, name: str = HISTORY_FILE)
     path = ckpt_dir / name
     if not upto_step or not path.is_file():
         return []
-    return [h for h in json.loads(path.read_text()) if h["step"] <= upto_step]
+    try:
+        return [h for h in json.loads(path.read_text()) if h["step"] <= upto_step]
+    except (ValueError, TypeError, KeyError) as err:  # edited or damaged by hand: the checkpoints are still good
+        target = path.with_name(name + ".corrupt")
+        log.warning("%s cannot be read (%s); moved to %s, going on without the values it held", path,
+                    _first_line(err), target)
+        if jax.process_index() == 0:
+            path.rename(target)
+        return []
 
 
 def save_history(ckpt_dir: epath.Path, history: list[dict], name: str = HISTORY_FILE) -> None:
