@@ -1,6 +1,7 @@
 """Evaluation metrics on hand-checked cases, generation with Tunix's sampler, and the edge cases."""
 
 import math
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -423,6 +424,57 @@ def test_evaluator_skips_and_counts_prompts_that_do_not_fit(tiny, tokenizer):
     assert skipped == 0 and len(held_out) == 3 and length >= max(generation.prompt_lengths(tokenizer, formatted["prompt"].tolist()))
     assert length == 1 << (length - 1).bit_length()  # a power of two
     np.testing.assert_array_equal(held_out["id"], ["q0", "q1", "q2"])
+
+
+def test_rows_scored_before_are_taken_for_the_same_policy_and_prompts_only(tiny, tokenizer, tmp_path):
+    """A later evaluation takes a policy's generations from the one that scored them where both name the same
+    policy and settings (`scored_by`) on the same prompts: what it would have generated again, as here."""
+    model, mesh = tiny
+    formatted, params = _formatted(["1", "2", "3"]), EvaluateParams(max_new_tokens=6, batch_size=4)
+
+    def evaluator(prompts=formatted):
+        return evaluation.Evaluator(model, tokenizer, mesh, params, pd.DataFrame(), prompts, loss_batch_size=4)
+
+    first, rows = evaluator().measure("tuned", "policy-a")
+    assert rows["scored_by"].eq("policy-a").all()
+    path = tmp_path / "eval_samples.jsonl"  # through JSON lines, as the catalog hands `eval_samples` on
+    rows.to_json(path, lines=True, orient="records", force_ascii=False)
+    earlier = pd.read_json(path, lines=True, orient="records", dtype=False)
+
+    later = evaluator()
+    metrics, taken = later.measure("sft", "policy-a", earlier)
+    assert later._generator is None  # nothing generated
+    assert metrics.pop("generations_reused") and metrics == first
+    assert taken["model"].eq("sft").all() and taken.drop(columns="model").equals(rows.drop(columns="model"))
+    # another policy (or settings), or other prompts: generated, and greedy decoding writes the same texts again
+    for digest, prompts in (("policy-b", formatted), ("policy-a", formatted.head(2))):
+        again = evaluator(prompts)
+        metrics, generated = again.measure("sft", digest, earlier)
+        assert again._generator is not None and "generations_reused" not in metrics
+        assert generated["generated"].tolist() == rows["generated"].head(len(prompts)).tolist()
+
+
+def test_scored_by_names_the_checkpoint_as_committed_and_every_setting(tmp_path):
+    import orbax.checkpoint as ocp
+
+    from tunix_pipeline.evaluate.policies import scored_by
+
+    def save(step):  # a checkpoint as Orbax commits it
+        with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+            manager.save(step, args=ocp.args.StandardSave({"w": np.zeros(2)}), force=True)
+
+    save(5)
+    base, model, params, runtime = {"path": "base"}, ModelParams(), EvaluateParams(), RuntimeParams()
+    digest = scored_by(base, str(tmp_path / "ckpt"), 5, model, params, runtime)
+    assert digest == scored_by(base, tmp_path / "ckpt", 5, model, params, runtime)  # a folder however written
+    others = [scored_by({"path": "other"}, tmp_path / "ckpt", 5, model, params, runtime),
+              scored_by(base, tmp_path / "ckpt", 5, model, EvaluateParams(max_new_tokens=7), runtime),
+              scored_by(base, None, None, model, params, runtime)]
+    assert digest not in others and None not in others
+    assert scored_by(base, tmp_path / "ckpt", 6, model, params, runtime) is None  # no such committed step
+    shutil.rmtree(tmp_path / "ckpt")
+    save(5)  # trained again to the same step: another checkpoint
+    assert scored_by(base, tmp_path / "ckpt", 5, model, params, runtime) != digest
 
 
 def test_eval_loss_covers_the_first_loss_rows_only(tiny, tokenizer):

@@ -47,6 +47,11 @@ def test_smoke_pipeline_end_to_end_then_resume(smoke_run, tmp_path, monkeypatch)
     assert preference["heldout_pair_accuracy"] >= 0.6
     after_pref = json.loads((reporting / "preference_eval_metrics.json").read_text())
     assert after_pref["sft"]["eval_loss"] == pytest.approx(metrics["tuned"]["eval_loss"])
+    # the SFT policy's generations are the first evaluation's, taken, not generated again
+    assert after_pref["sft"]["generations_reused"] and "generations_reused" not in after_pref["preference"]
+    assert "sft's generations are the first evaluation's" in (reporting / "preference_eval_report.md").read_text()
+    pref_samples = [json.loads(line) for line in (project / "data" / "07_model_output" / "preference_eval_samples.jsonl").open()]
+    assert [{**s, "model": "tuned"} for s in pref_samples if s["model"] == "sft"] == [s for s in samples if s["model"] == "tuned"]
     assert after_pref["preference"]["checkpoint_step"] == 30 and smoke["checks"]["preference_model_evaluated"]
 
     # GRPO from the DPO policy, then the evaluation after it

@@ -30,6 +30,7 @@ an empty eval split gives a report that says so, not an exception.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 
@@ -51,10 +52,12 @@ from tunix_pipeline.tracking.mlflow_runs import mlflow_name
 from tunix_pipeline.train.loop import eval_batches
 from tunix_pipeline.train.loss import model_inputs, token_nll
 
+log = logging.getLogger(__name__)
+
 SAMPLE_COLUMNS = [
     "model", "id", "sample", "prompt", "reference", "open_ended", "generated", "extracted",
     "correct", "exact", "lenient", "lenient_correct", "well_formed", "judge_score", "completion_tokens", "truncated",
-    "repeated",
+    "repeated", "scored_by",
 ]
 # the three readings of an answer: each gets an interval, and a tuned model's paired test against its parent
 READINGS = {"answer_accuracy": "correct", "lenient_accuracy": "lenient_correct", "format_compliance": "well_formed"}
@@ -119,23 +122,33 @@ def score(
     completion_tokens: list[int] | None = None,
     judged=None,
     repeated: list[bool] | None = None,
+    scored_by: str | None = None,
 ) -> tuple[dict, pd.DataFrame]:
     """Metrics and one sample row per generation; `generated` holds `num_samples` consecutive texts per prompt;
     `judged`: the judge's result for them (`judge_generations`), or None; `repeated`: which ended repeating a block
-    (`evaluate.stop_repeats`)."""
+    (`evaluate.stop_repeats`); `scored_by`: what the generations came from (`Evaluator.measure`)."""
     k = params.num_samples
     records = formatted.to_dict(orient="records")
     if len(generated) != len(records) * k:
         raise ValueError(f"{len(generated)} generations for {len(records)} prompts x {k} samples")
     have_tokens = bool(completion_tokens) and completion_tokens[0] is not None
     completion_tokens = completion_tokens if have_tokens else [None] * len(generated)
-    rows = [_sample(label, records[j // k], j % k, text, n_tokens, params)
+    rows = [_sample(label, records[j // k], j % k, text, n_tokens, params) | {"scored_by": scored_by}
             for j, (text, n_tokens) in enumerate(zip(generated, completion_tokens))]
     for row, cut in zip(rows, repeated or []):
         row["repeated"] = bool(cut)
     if judged is not None:
         for row, value in zip(rows, judged.values):
             row["judge_score"] = float(value)
+    metrics = _scores(rows, records, params, have_tokens, bool(repeated))
+    if judged is not None:
+        metrics.update(_judge_metrics(rows, judged))
+    return metrics, pd.DataFrame(rows, columns=SAMPLE_COLUMNS)
+
+
+def _scores(rows: list[dict], records: list[dict], params: EvaluateParams, have_tokens: bool, repeated: bool) -> dict:
+    """The metrics of scored rows (`score`'s, or an earlier evaluation's)."""
+    k = params.num_samples
     # open-ended rows have no answer to match: the answer metrics cover the others
     answered = [r for r in rows if not r["open_ended"]]
     metrics = {
@@ -156,9 +169,7 @@ def score(
     }
     if k > 1:
         metrics.update(_per_prompt_metrics(answered, k, params.numeric_tolerance))
-    if judged is not None:
-        metrics.update(_judge_metrics(rows, judged))
-    return metrics, pd.DataFrame(rows, columns=SAMPLE_COLUMNS)
+    return metrics
 
 
 def _sample(label: str, record: dict, sample: int, text, n_tokens: int | None, params: EvaluateParams) -> dict:
@@ -326,11 +337,23 @@ class Evaluator:
         return Evaluator(self.model, self.tokenizer, self.mesh, self.params, self.eval_tokens.head(0), formatted,
                          self.loss_batch_size, self.judge, self.decode_weights)
 
-    def measure(self, label: str) -> tuple[dict, pd.DataFrame]:
+    def measure(self, label: str, scored_by: str | None = None,
+                earlier: pd.DataFrame | None = None) -> tuple[dict, pd.DataFrame]:
+        """`label`'s metrics and rows. `scored_by`: what its generations depend on (`scored_by` in `policies`);
+        `earlier`: rows another evaluation scored, whose generations are taken as they are where they have the same
+        `scored_by` and prompts (greedy decoding of the same weights and settings writes the same texts)."""
         metrics: dict = {"eval_loss": None, "eval_perplexity": None, "eval_tokens": 0}
         if len(self.eval_tokens):
             loss = evaluate_loss(self.model, self.eval_tokens, self.loss_batch_size, self.mesh)
             metrics = {f"eval_{k}": v for k, v in loss.items()}
+        if (rows := self._scored_before(scored_by, earlier)) is not None:
+            log.info("evaluate: %s's %d generations taken from the evaluation that scored them (scored by %s)",
+                     label, len(rows), scored_by)
+            rows = [{**row, "model": label} for row in rows]
+            scores = _scores(rows, self.held_out.to_dict(orient="records"), self.params,
+                             have_tokens=rows[0]["completion_tokens"] is not None, repeated=bool(self.params.stop_repeats))
+            return ({**metrics, **scores, "prompts_too_long": self.too_long, "generations_reused": True},
+                    pd.DataFrame(rows, columns=SAMPLE_COLUMNS))
         prompts = self.held_out["prompt"].tolist()
         texts, lengths, judged, repeated = [], [], None, None
         if prompts:
@@ -342,8 +365,24 @@ class Evaluator:
             repeated = self._generator.repeated if self.params.stop_repeats else None
             if self.judge is not None:
                 judged = judge_generations(self.judge, self.held_out, texts, self.params.num_samples)
-        scores, samples = score(label, self.held_out, texts, self.params, lengths, judged, repeated)
+        scores, samples = score(label, self.held_out, texts, self.params, lengths, judged, repeated, scored_by)
         return {**metrics, **scores, "prompts_too_long": self.too_long}, samples
+
+    def _scored_before(self, scored_by: str | None, earlier: pd.DataFrame | None) -> list[dict] | None:
+        """The rows of `earlier` (one model's) scored by `scored_by` on exactly these prompts, in this order; None
+        where there are none, or a judge is on (its scores are not kept whole in the rows)."""
+        if scored_by is None or earlier is None or "scored_by" not in earlier or self.judge is not None \
+                or not len(self.held_out):
+            return None
+        k = self.params.num_samples
+        wanted = pd.DataFrame({"id": np.repeat(self.held_out["id"].to_numpy(), k),
+                               "sample": np.tile(np.arange(k), len(self.held_out)),
+                               "prompt": np.repeat(self.held_out["prompt"].to_numpy(), k)})
+        for _, rows in earlier[earlier["scored_by"] == scored_by].groupby("model", sort=False):
+            rows = rows.reset_index(drop=True)
+            if len(rows) == len(wanted) and rows[list(wanted)].astype(str).equals(wanted.astype(str)):
+                return rows.astype(object).where(rows.notna(), None).to_dict(orient="records")
+        return None
 
 
 def open_ended_note(results: dict[str, dict]) -> str:

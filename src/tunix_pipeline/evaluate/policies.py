@@ -3,8 +3,11 @@ polish stage against the policy it started from (`evaluate_after`), with the jud
 where they are on."""
 
 import functools
+import hashlib
+import json
 import logging
 
+import jax
 import pandas as pd
 
 from tunix_pipeline.config import EvaluateParams, ModelParams, RuntimeParams
@@ -65,12 +68,36 @@ def _few_shot(evaluator, eval_few_shot: pd.DataFrame, params: EvaluateParams, ba
     return evaluator.on_prompts(eval_few_shot) if wanted else None
 
 
-def _measure(label: str, evaluator, few_shot, results: dict, samples: dict, params: EvaluateParams) -> None:
-    """`label`'s scores, and its k-shot ones beside them where `evaluate.few_shot` applies to it."""
-    results[label], samples[label] = evaluator.measure(label)
+def scored_by(base_model: dict, checkpoint_dir, step: int | None, model: ModelParams, params: EvaluateParams,
+              runtime: RuntimeParams) -> str | None:
+    """A digest of what a policy's generations depend on: the base weights, the checkpoint as Orbax committed it
+    (folder, step, commit time: a checkpoint saved again at the same step is another), every model and evaluation
+    setting, and the devices' layout; None for a checkpoint without a readable commit record (its rows are then
+    generated, never taken)."""
+    checkpoint = None
+    if checkpoint_dir is not None:
+        record = storage_path(checkpoint_dir) / str(step) / "_CHECKPOINT_METADATA"
+        try:
+            committed = json.loads(record.read_text()).get("commit_timestamp_nsecs")
+        except (OSError, ValueError, AttributeError):
+            committed = None
+        if committed is None:
+            return None
+        checkpoint = [str(storage_path(checkpoint_dir)), step, committed]
+    key = {"base": base_model["path"], "checkpoint": checkpoint, "model": model.model_dump(mode="json"),
+           "evaluate": params.model_dump(mode="json", exclude={"harness"}),
+           "devices": [jax.device_count(), runtime.model_dump(mode="json", include={"mesh", "decode_weights"})]}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _measure(label: str, evaluator, few_shot, results: dict, samples: dict, params: EvaluateParams,
+             policy: str | None = None, earlier: pd.DataFrame | None = None) -> None:
+    """`label`'s scores, and its k-shot ones beside them where `evaluate.few_shot` applies to it; `policy` and
+    `earlier`: `Evaluator.measure`'s `scored_by` and `earlier`."""
+    results[label], samples[label] = evaluator.measure(label, policy, earlier)
     if few_shot is not None and (label == "base" or params.few_shot_models == "all"):
         shot = few_shot_label(label, params.few_shot)
-        results[shot], samples[shot] = few_shot.measure(shot)
+        results[shot], samples[shot] = few_shot.measure(shot, policy, earlier)
 
 
 def _empty_split(eval_tokens: pd.DataFrame, eval_formatted: pd.DataFrame) -> bool:
@@ -105,12 +132,14 @@ def evaluate_models(
     few_shot = _few_shot(evaluator, eval_few_shot, params, base_scored=params.compare_base_model)
     results, samples, harness_results = {}, {}, {}
     if params.compare_base_model:
-        _measure("base", evaluator, few_shot, results, samples, params)
+        _measure("base", evaluator, few_shot, results, samples, params,
+                 scored_by(base_model, None, None, model, params, runtime))
         if harness:
             harness_results["base"] = harness.measure("base")
     step = restore_required(network, storage_path(sft_result["checkpoint_dir"]), SFT.name, "evaluate",
                             selected_step(sft_result))
-    _measure("tuned", evaluator, few_shot, results, samples, params)
+    _measure("tuned", evaluator, few_shot, results, samples, params,
+             scored_by(base_model, sft_result["checkpoint_dir"], step, model, params, runtime))
     results["tuned"]["checkpoint_step"] = step
     if harness:
         harness_results["tuned"] = harness.measure("tuned")
@@ -180,7 +209,9 @@ def _after_stage(stage: Stage, title, eval_tokens, eval_formatted, eval_few_shot
     for label, checkpoint_dir, selected in ((start, result["start_checkpoint_dir"], result.get("start_selected")),
                                             (stage.name, result["checkpoint_dir"], selected_step(result))):
         step = restore_required(network, storage_path(checkpoint_dir), label, "evaluate", selected)
-        _measure(label, evaluator, few_shot, results, samples, params)
+        # the policy it started from is often SFT's as the first evaluation scored it: its rows are taken from there
+        _measure(label, evaluator, few_shot, results, samples, params,
+                 scored_by(base_model, checkpoint_dir, step, model, params, runtime), eval_samples)
         results[label]["checkpoint_step"] = step
         if harness:
             harness_results[label] = harness.measure(label)
@@ -199,6 +230,9 @@ def _after_stage(stage: Stage, title, eval_tokens, eval_formatted, eval_few_shot
     report += evaluation.open_ended_note(results)
     if result.get("evaluation_note"):
         report += f"\n{result['evaluation_note']}\n"
+    if results[start].get("generations_reused"):
+        report += (f"\n{start}'s generations are the first evaluation's (`eval_samples`: the same checkpoint, "
+                   "settings and prompts), not generated again.\n")
     report = _with_harness(results, report, harness_results, (start, stage.name))
     return results, pd.concat(samples.values(), ignore_index=True), report
 
