@@ -91,13 +91,13 @@ def scored_by(base_model: dict, checkpoint_dir, step: int | None, model: ModelPa
 
 
 def _measure(label: str, evaluator, few_shot, results: dict, samples: dict, params: EvaluateParams,
-             policy: str | None = None, earlier: pd.DataFrame | None = None) -> None:
-    """`label`'s scores, and its k-shot ones beside them where `evaluate.few_shot` applies to it; `policy` and
-    `earlier`: `Evaluator.measure`'s `scored_by` and `earlier`."""
-    results[label], samples[label] = evaluator.measure(label, policy, earlier)
+             digest: str | None = None, earlier: pd.DataFrame | None = None) -> None:
+    """`label`'s scores, and its k-shot ones beside them where `evaluate.few_shot` applies to it; `digest` (its
+    `scored_by`) and `earlier`: `Evaluator.measure`'s."""
+    results[label], samples[label] = evaluator.measure(label, digest, earlier)
     if few_shot is not None and (label == "base" or params.few_shot_models == "all"):
         shot = few_shot_label(label, params.few_shot)
-        results[shot], samples[shot] = few_shot.measure(shot, policy, earlier)
+        results[shot], samples[shot] = few_shot.measure(shot, digest, earlier)
 
 
 def _empty_split(eval_tokens: pd.DataFrame, eval_formatted: pd.DataFrame) -> bool:
