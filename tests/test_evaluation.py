@@ -452,6 +452,10 @@ def test_rows_scored_before_are_taken_for_the_same_policy_and_prompts_only(tiny,
         metrics, generated = again.measure("sft", digest, earlier)
         assert again._generator is not None and "generations_reused" not in metrics
         assert generated["generated"].tolist() == rows["generated"].head(len(prompts)).tolist()
+    # a file without the columns to tell (older, or edited by hand): generated, not a KeyError
+    again = evaluator()
+    metrics, _ = again.measure("sft", "policy-a", earlier.drop(columns=["prompt"]))
+    assert again._generator is not None and "generations_reused" not in metrics
 
 
 def test_scored_by_names_the_checkpoint_as_committed_and_every_setting(tmp_path):

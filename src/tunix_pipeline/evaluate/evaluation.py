@@ -370,9 +370,10 @@ class Evaluator:
 
     def _scored_before(self, scored_by: str | None, earlier: pd.DataFrame | None) -> list[dict] | None:
         """The rows of `earlier` (one model's) scored by `scored_by` on exactly these prompts, in this order; None
-        where there are none, or a judge is on (its scores are not kept whole in the rows)."""
-        if scored_by is None or earlier is None or "scored_by" not in earlier or self.judge is not None \
-                or not len(self.held_out):
+        where there are none, a judge is on (its scores are not kept whole in the rows), or `earlier` lacks the
+        columns to tell (an older or hand-edited file: the rows are generated)."""
+        if scored_by is None or earlier is None or self.judge is not None or not len(self.held_out) \
+                or not set(SAMPLE_COLUMNS) <= set(earlier.columns):
             return None
         k = self.params.num_samples
         wanted = pd.DataFrame({"id": np.repeat(self.held_out["id"].to_numpy(), k),
