@@ -5,6 +5,7 @@ lm-evaluation-harness's `hf` backend through the shipped `tagged_answer` task on
     python benchmarks/gsm8k_real.py                          # the recipe, then hf on base_model/ and exported/
     python benchmarks/gsm8k_real.py --root /tmp/g --skip-run   # the table, on a finished run's folders
     python benchmarks/gsm8k_real.py --params evaluate.num_prompts=64,sft.max_steps=60   # a shorter run
+    python benchmarks/gsm8k_real.py --env gemma3_270m_gsm8k_gpu --skip-hf --out benchmarks/results/gsm8k_gpu.json
 
 1. `kedro run --env gemma3_270m_gsm8k_cpu` under `--root` (its log in root/kedro.log): the PyPI model converted to
    an fp32 folder (`06_models/base_model`), SFT, evaluation of base and SFT, GRPO, evaluation of SFT and GRPO,
@@ -33,17 +34,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import common  # noqa: E402
 from tunix_pipeline.evaluate.evaluation import PAIRED_KEYS  # noqa: E402
 
-ENV = "gemma3_270m_gsm8k_cpu"
-KEDRO = str(Path(sys.executable).parent / "kedro")
 READINGS = ("answer_accuracy", "lenient_accuracy", "format_compliance")
 HF_READINGS = ("strict,none", "lenient,none", "format,none")  # tagged_answer's names for the same readings
 FOLDERS = {"base": "06_models/base_model", "grpo": "06_models/exported"}  # hf runs on these (the export is GRPO's)
 
 
-def run_recipe(root: Path, extra: str) -> dict:
+def run_recipe(root: Path, env_name: str, extra: str) -> dict:
     """The recipe's whole DAG under `root`, timed; its log in root/kedro.log."""
     params = f"runtime.output_root={root}" + (f",{extra}" if extra else "")
-    command = [KEDRO, "run", "--env", ENV, "--params", params]
+    command = [sys.executable, "-m", "kedro", "run", "--env", env_name, "--params", params]
     env = {**os.environ, "DO_NOT_TRACK": "1", "KEDRO_DISABLE_TELEMETRY": "true"}
     root.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -52,7 +51,7 @@ def run_recipe(root: Path, extra: str) -> dict:
     seconds = time.perf_counter() - started
     if done.returncode:
         raise SystemExit(f"kedro run failed ({done.returncode}); see {root / 'kedro.log'}")
-    result = {"command": " ".join(command[1:]), "wall_seconds": seconds}
+    result = {"command": " ".join(command[2:]), "wall_seconds": seconds}
     (root / "kedro_run.json").write_text(json.dumps(result))
     return result
 
@@ -118,6 +117,7 @@ def table(root: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--env", default="gemma3_270m_gsm8k_cpu", help="the recipe (a conf/ environment)")
     ap.add_argument("--root", default="/tmp/gsm8k_real", help="the run's output root")
     ap.add_argument("--params", default="", help="more kedro --params, comma-separated")
     ap.add_argument("--skip-run", action="store_true", help="reuse a finished run under --root")
@@ -128,10 +128,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     root = Path(args.root).resolve()
 
-    out: dict = {"recipe": ENV, "root": str(root), "machine_at_start": common.machine(),
+    out: dict = {"recipe": args.env, "root": str(root), "machine_at_start": common.machine(),
                  "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=common.ROOT, capture_output=True,
                                           text=True).stdout.strip()}
-    out["kedro_run"] = _json(root / "kedro_run.json") if args.skip_run else run_recipe(root, args.params)
+    out["kedro_run"] = _json(root / "kedro_run.json") if args.skip_run else run_recipe(root, args.env, args.params)
     out["data"] = {k: v for k, v in _json(root / "08_reporting/data_quality.json").get("totals", {}).items()
                    if k in ("train_rows", "dev_rows", "test_rows", "overlap_with_eval_only")}
     out["models"] = table(root)
