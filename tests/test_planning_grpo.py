@@ -71,6 +71,11 @@ def test_generation_and_update_follow_the_math():
     cache = 18 * 2 * 256 * 256 * 2
     assert (longer["generation_gib"] - g["generation_gib"]) * GIB == pytest.approx(cache, abs=2e-3 * GIB)
     assert longer["kv_cache_gib"] == round(18 * 2 * (128 + 512) * 256 * 2 / GIB, 3)
+    # our sampler's prefill keeps the logits at the last position only: a longer prompt adds its cache and the
+    # prefill's float32 hidden states (one sequence a chip, 2,048 wide), not a [prompt, vocabulary] block of logits
+    longer_prompt = _plan(max_prompt_length=256).polish["grpo"]["selected"]
+    grown = 18 * 2 * 128 * 256 * 2 + 128 * 2048 * 4
+    assert (longer_prompt["generation_gib"] - g["generation_gib"]) * GIB == pytest.approx(grown, abs=2e-3 * GIB)
     # the plan's total: SFT and GRPO on the selected hardware
     stages = plan.summary()["stages"]
     assert stages["hours"]["grpo"] == g["hours"] and stages["total_hours"] == pytest.approx(plan.selected.hours + g["hours"])

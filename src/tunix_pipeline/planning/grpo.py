@@ -3,9 +3,10 @@
 A step of Tunix's GRPOLearner (our `train/grpo.py`, vanilla rollout, the actor's mesh for every role):
 
 1. **generation**: `batch_size` prompts x `num_generations` completions, prefilled and then
-   decoded one token at a time for up to `max_completion_length` tokens (Tunix's `Sampler`: a KV
+   decoded one token at a time for up to `max_completion_length` tokens (our `upstream.Sampler`: a KV
    cache of sequences x (prompt + completion) positions, keys and values per layer, in the model's
-   dtype; the model's activation sharding splits the sequences over fsdp). The trainer's state
+   dtype; the model's activation sharding splits the sequences over fsdp; the prefill's logits at the
+   last position only). The trainer's state
    stays in memory meanwhile: the policy, its optimizer state and the reference.
    Time: the prefill's FLOPs at the profile's MFU, then `max_completion_length` decode steps, each
    its **roofline** (per device, the larger of FLOPs / peak and bytes / HBM bandwidth) over the
@@ -72,16 +73,18 @@ def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, sessio
     reference = reference_bytes(arch, setup, m.trainable_params) if grpo.beta else 0.0
     shared = judges["shared"] if judges else 0.0  # time-shared judges' weights, beside both phases
     # generation: the decode step's program (the policy once: the update's input and output copies are not
-    # live), the prefill's float32 logits over the prompt on top, and beside them the optimizer state and reference
+    # live), the prefill's float32 hidden states over the prompt on top (our sampler's prefill takes the logits at
+    # the last position only, as a decode step does: `upstream.Sampler`), and beside them the optimizer state and
+    # the reference
     kv = kv_cache_bytes(arch, roll, seqs, length)
     decode = decode_program_bytes(arch, roll, seqs)
-    prefill_logits = seqs * prompt * arch.vocab_size * 4
+    prefill_hidden = seqs * prompt * arch.hidden_size * 4
     update = m.peak + reference + shared
     gen_x, upd_x = (compiled or {}).get("generation") or {}, (compiled or {}).get("update") or {}
     compiler = (compiled or {}).get("compiler", "XLA:TPU")
     if "xla_gib" in gen_x:
         decode = gen_x["xla_gib"] * GIB
-    generation = decode + prefill_logits + m.optimizer + reference + shared
+    generation = decode + prefill_hidden + m.optimizer + reference + shared
     if "xla_gib" in upd_x:  # the train step holds the policy and its optimizer; the reference beside it
         update = upd_x["xla_gib"] * GIB + reference + shared
 
