@@ -6,8 +6,8 @@ A step of Tunix's GRPOLearner (our `train/grpo.py`, vanilla rollout, the actor's
    decoded one token at a time for up to `max_completion_length` tokens (our `upstream.Sampler`: a KV
    cache of sequences x (prompt + completion) positions, keys and values per layer, in the model's
    dtype; the model's activation sharding splits the sequences over fsdp; the prefill's logits at the
-   last position only). The trainer's state
-   stays in memory meanwhile: the policy, its optimizer state and the reference.
+   last position only). The trainer's state stays in memory meanwhile: the policy, its optimizer state
+   and the reference.
    Time: the prefill's FLOPs at the profile's MFU, then `max_completion_length` decode steps, each
    its **roofline** (per device, the larger of FLOPs / peak and bytes / HBM bandwidth) over the
    profile's `decode_roofline_fraction`, the share of the roofline our sampler reaches (measured or
