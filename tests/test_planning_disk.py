@@ -247,7 +247,7 @@ def test_a_plan_over_its_disk_is_over_in_the_table_and_plan_json(tmp_path):
     summary, text = plan.summary(), markdown(plan)
     assert plan.status == summary["status"] == "over" and summary["disk"]["saved_gb"] == pytest.approx(50.1, abs=0.1)
     assert "**does not fit its disk** (see Disk below); the memory fits" in text and "## Disk" in text
-    assert "| this run | sft checkpoints | saved: " in text and "| 3 | 15.037 | 5.012 | 10.025 | 45.111 |" in text
+    assert "| this run | sft checkpoints | saved: " in text and "| 3 | 15.037 | 5.012 | 10.025 | 45.112 |" in text
     assert any(w.startswith("disk: session 'this run' writes 70.2 GB at its peak") for w in summary["warnings"])
 
 
