@@ -32,10 +32,10 @@ from tunix_pipeline.stages import POLISH, SFT
 
 GB = 1e9  # the volumes are quoted in GB (Kaggle's 20 GB of output, a 100 GB boot disk)
 # Orbax's files besides the arrays in a checkpoint (its metadata, the OCDBT manifest and b-tree nodes, Tunix's
-# step metadata) and the stage's histories beside them: the tiny model's checkpoints (45 files each) held ~185 KB
-# of them on a quiet machine and 250-295 KB under load (OCDBT writes more, smaller data files then); ~100 bytes a
-# step of loss_history.json / dev_curve.json
-CHECKPOINT_OVERHEAD = 200e3
+# step metadata) and the stage's histories beside them: the tiny model's checkpoints (45 files each) held 186-295 KB
+# of them (186 and 257 in two runs alone, 249 and 295 in one beside the test suite: OCDBT's data files vary with
+# the writes' timing); ~100 bytes a step of loss_history.json / dev_curve.json
+CHECKPOINT_OVERHEAD = 250e3
 HISTORY_PER_STEP = 100
 # tokenizer.json and friends in an exported folder: Gemma's 256k vocabulary takes ~21 MB (tokenizer.json
 # 17 MB and tokenizer.model 4 MB), ~80 bytes a word
