@@ -1,5 +1,6 @@
 """Evaluation metrics on hand-checked cases, generation with Tunix's sampler, and the edge cases."""
 
+import json
 import math
 import shutil
 
@@ -430,7 +431,9 @@ def test_rows_scored_before_are_taken_for_the_same_policy_and_prompts_only(tiny,
     """A later evaluation takes a policy's generations from the one that scored them where both name the same
     policy and settings (`scored_by`) on the same prompts: what it would have generated again, as here."""
     model, mesh = tiny
-    formatted, params = _formatted(["1", "2", "3"]), EvaluateParams(max_new_tokens=6, batch_size=4)
+    # rows kept as they end (`generations_dir`) would be taken too: off, so that `earlier` alone is what is taken
+    formatted = _formatted(["1", "2", "3"])
+    params = EvaluateParams(max_new_tokens=6, batch_size=4, generations_dir=None)
 
     def evaluator(prompts=formatted):
         return evaluation.Evaluator(model, tokenizer, mesh, params, pd.DataFrame(), prompts, loss_batch_size=4)
@@ -458,6 +461,41 @@ def test_rows_scored_before_are_taken_for_the_same_policy_and_prompts_only(tiny,
     assert again._generator is not None and "generations_reused" not in metrics
 
 
+def test_an_evaluation_stopped_part_way_generates_only_the_rows_it_had_not(tiny, tokenizer, tmp_path):
+    """Each greedy row is written to `evaluate.generations_dir` as it ends; a run stopped part-way (here: the file as
+    a kill leaves it, the first rows whole and the last cut mid-line) takes those on the next run, generates the
+    rest only, and scores what an uninterrupted run scores."""
+    model, mesh = tiny
+    formatted = _formatted([str(i) for i in range(10)])
+    kept = tmp_path / "generations"
+    params = EvaluateParams(max_new_tokens=6, batch_size=4, generations_dir=str(kept))
+
+    def evaluator(settings=params):
+        return evaluation.Evaluator(model, tokenizer, mesh, settings, pd.DataFrame(), formatted, loss_batch_size=4)
+
+    whole, rows = evaluator().measure("tuned", "policy-a")
+    lines = (kept / "policy-a.jsonl").read_text().splitlines()
+    assert len(lines) == 10 and "generations_resumed" not in whole
+    by_key = {json.loads(line)["prompt"]: json.loads(line)["tokens"] for line in lines}
+    keys = [generation.KeptRows._key(p) for p in formatted["prompt"]]
+    assert [len(by_key[k]) for k in keys] == rows["completion_tokens"].tolist()  # every prompt's row, whole
+
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    (stopped / "policy-a.jsonl").write_text("\n".join(lines[:4]) + "\n" + lines[4][:20])
+    again = evaluator(params.model_copy(update={"generations_dir": str(stopped)}))
+    metrics, resumed = again.measure("tuned", "policy-a")
+    assert metrics.pop("generations_resumed") == 4 and metrics == whole
+    assert resumed.equals(rows)
+    written = (stopped / "policy-a.jsonl").read_text().splitlines()
+    assert len(written) == 11 and sorted(written[:4] + written[5:]) == sorted(lines)  # the cut line stays unread
+
+    # sampled decoding, or no digest of the policy: nothing kept
+    for settings, digest in ((params.model_copy(update={"temperature": 1.0}), "policy-b"), (params, None)):
+        evaluator(settings).measure("tuned", digest)
+    assert sorted(p.name for p in kept.iterdir()) == ["policy-a.jsonl"]
+
+
 def test_scored_by_names_the_checkpoint_as_committed_and_every_setting(tmp_path):
     import orbax.checkpoint as ocp
 
@@ -471,6 +509,8 @@ def test_scored_by_names_the_checkpoint_as_committed_and_every_setting(tmp_path)
     base, model, params, runtime = {"path": "base"}, ModelParams(), EvaluateParams(), RuntimeParams()
     digest = scored_by(base, str(tmp_path / "ckpt"), 5, model, params, runtime)
     assert digest == scored_by(base, tmp_path / "ckpt", 5, model, params, runtime)  # a folder however written
+    # where the rows are kept changes no row
+    assert digest == scored_by(base, tmp_path / "ckpt", 5, model, EvaluateParams(generations_dir=str(tmp_path)), runtime)
     others = [scored_by({"path": "other"}, tmp_path / "ckpt", 5, model, params, runtime),
               scored_by(base, tmp_path / "ckpt", 5, model, EvaluateParams(max_new_tokens=7), runtime),
               scored_by(base, None, None, model, params, runtime)]

@@ -31,6 +31,12 @@ def test_smoke_pipeline_end_to_end_then_resume(smoke_run, tmp_path, monkeypatch)
     assert metrics["tuned"]["format_compliance"] > metrics["base"]["format_compliance"]
     samples = [json.loads(line) for line in (project / "data" / "07_model_output" / "eval_samples.jsonl").open()]
     assert {s["model"] for s in samples} == {"base", "tuned"} and all(isinstance(s["reference"], str) for s in samples)
+    # each policy's greedy rows were written as they ended, a file per policy, for a run stopped part-way to go on from
+    kept = project / "data" / "07_model_output" / "generations"
+    for model in ("base", "tuned"):
+        digest = {s["scored_by"] for s in samples if s["model"] == model}.pop()
+        rows = [json.loads(line) for line in (kept / f"{digest}.jsonl").open()]
+        assert sorted(len(r["tokens"]) for r in rows) == sorted(s["completion_tokens"] for s in samples if s["model"] == model)
     assert "| eval_loss |" in (reporting / "eval_report.md").read_text()
     assert (reporting / "loss_curve.png").stat().st_size > 0 and (reporting / "grpo_curves.png").stat().st_size > 0
 

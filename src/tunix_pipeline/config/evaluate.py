@@ -67,6 +67,9 @@ class EvaluateParams(Strict):
     few_shot: int = Field(0, ge=0, description="solved training examples before each problem; 0: zero-shot only")
     few_shot_models: Literal["base", "all"] = "base"
     harness: HarnessParams = HarnessParams()
+    # a folder where each greedy row is written as it ends (a file per policy and settings): an evaluation stopped
+    # part-way takes them on the next run and generates only the rest; null: not kept
+    generations_dir: Location | None = "data/07_model_output/generations"
     # a judge model scoring every generated completion (`judge_score`, beside the answer metrics): what open-ended
     # prompts (writing, summaries) are measured by; null: no judge
     judge: JudgeParams | None = None

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
+from pathlib import Path
 
 import jax
 import mlflow
@@ -42,11 +43,12 @@ from flax import nnx
 from matplotlib.figure import Figure
 
 from tunix_pipeline.config import EvaluateParams
+from tunix_pipeline.core.paths import is_uri
 from tunix_pipeline.core.runtime import process_rows, shard_rows
 from tunix_pipeline.data.answers import answers_match, clean, normal, readings
 from tunix_pipeline.data.formatting import is_open_ended
 from tunix_pipeline.evaluate.significance import mcnemar, wilson_interval
-from tunix_pipeline.generate.generation import Generator, select_prompts
+from tunix_pipeline.generate.generation import Generator, KeptRows, select_prompts
 from tunix_pipeline.stages import BY_NAME, Stage
 from tunix_pipeline.tracking.mlflow_runs import mlflow_name
 from tunix_pipeline.train.loop import eval_batches
@@ -361,12 +363,25 @@ class Evaluator:
                 self._generator = Generator(self.model, self.tokenizer, self.params, self.prompt_length,
                                             self.decode_weights)
             with self.mesh:
-                texts, lengths = self._generator(prompts)
+                texts, lengths = self._generator(prompts, self._kept(scored_by))
+            if self._generator.resumed:
+                metrics["generations_resumed"] = self._generator.resumed
             repeated = self._generator.repeated if self.params.stop_repeats else None
             if self.judge is not None:
                 judged = judge_generations(self.judge, self.held_out, texts, self.params.num_samples)
         scores, samples = score(label, self.held_out, texts, self.params, lengths, judged, repeated, scored_by)
         return {**metrics, **scores, "prompts_too_long": self.too_long}, samples
+
+    def _kept(self, scored_by: str | None) -> KeptRows | None:
+        """Where this policy's greedy rows are written as they end (`evaluate.generations_dir`, a file per
+        `scored_by`); None with sampled decoding (a sampled row depends on the rows beside it), without a digest,
+        over several processes (each would read its own disk's file, and their programs must stay the same) or
+        on an object store (no appending there)."""
+        folder = self.params.generations_dir
+        if folder is None or scored_by is None or self.params.temperature > 0 or jax.process_count() > 1 \
+                or is_uri(folder):
+            return None
+        return KeptRows(Path(folder) / f"{scored_by}.jsonl")
 
     def _scored_before(self, scored_by: str | None, earlier: pd.DataFrame | None) -> list[dict] | None:
         """The rows of `earlier` (one model's) scored by `scored_by` on exactly these prompts, in this order; None

@@ -85,7 +85,7 @@ def scored_by(base_model: dict, checkpoint_dir, step: int | None, model: ModelPa
             return None
         checkpoint = [str(storage_path(checkpoint_dir)), step, committed]
     key = {"base": base_model["path"], "checkpoint": checkpoint, "model": model.model_dump(mode="json"),
-           "evaluate": params.model_dump(mode="json", exclude={"harness"}),
+           "evaluate": params.model_dump(mode="json", exclude={"harness", "generations_dir"}),
            "devices": [jax.device_count(), runtime.model_dump(mode="json", include={"mesh", "decode_weights"})]}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

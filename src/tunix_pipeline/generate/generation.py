@@ -6,6 +6,7 @@
 - `make_sampler` / `sampling_args` / `Generator`: the sampler (`upstream.Sampler`), its arguments, and continuous
   batching over it (each row stops at its own end, or once it repeats itself: `evaluate.stop_repeats`, and its
   slot takes the next prompt);
+- `KeptRows`: greedy rows written to a file as each ends, so that a generation stopped part-way goes on from them;
 - `scored_split`: the eval rows models are scored on (the test split when there is one);
 - `fitting_prompts` / `select_prompts`: the prompts that fit a stage's `max_prompt_length` (the rest skipped,
   counted and logged under that stage's setting), and the prompt length the sampler's cache is sized for.
@@ -13,8 +14,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -104,35 +108,102 @@ class Generator:
         self.stop = end_tokens(tokenizer, new_turn=True)
         self.stop_strings = tuple(stop_strings)
         self.repeated: list[bool] = []
+        self.resumed = 0  # rows the last call took from `kept`
         # rows share one cache write index: the oldest row's prompt stays behind it, the newest row's tokens ahead
         cache = prompt_length + 2 * params.max_new_tokens
         self.sampler = make_sampler(model, tokenizer, cache, params.num_samples, gathers_weights(decode_weights, model))
 
-    def __call__(self, prompts: list[str]) -> tuple[list[str], list[int]]:
-        """(texts, completion lengths in tokens), `num_samples` consecutive ones per prompt."""
+    def __call__(self, prompts: list[str], kept: KeptRows | None = None) -> tuple[list[str], list[int]]:
+        """(texts, completion lengths in tokens), `num_samples` consecutive ones per prompt; `kept` (greedy decoding
+        only): the rows an earlier call wrote there are taken, the others generated and written there as each ends."""
         p = self.params
         expanded = [prompt for prompt in prompts for _ in range(p.num_samples)]
         sampling = sampling_args(p.temperature, p.top_p, p.top_k)
-        report = Progress("generate", len(expanded), bar=True, unit="row")
+        if sampling and kept is not None:
+            raise ValueError("only greedy rows are kept: a sampled row depends on the rows decoded beside it")
+        rows: list = [None] * len(expanded)
+        if kept is not None:
+            rows = kept.taken(expanded)
+        todo = [i for i, r in enumerate(rows) if r is None]
+        before = self.resumed = len(rows) - len(todo)
+        if before:
+            log.info("generate: %d of %d rows taken from %s (written by a run that stopped before its end)",
+                     before, len(rows), kept.path)
+        report = Progress("generate", len(rows), start=before, bar=True, unit="row")
         started = time.perf_counter()
 
-        def progress(rows: int, tokens: int) -> None:
-            if rows:
-                report.update(rows, tokens_per_sec=tokens / (time.perf_counter() - started))
+        def progress(done: int, tokens: int) -> None:
+            if done:
+                report.update(before + done, tokens_per_sec=tokens / (time.perf_counter() - started))
+
+        def on_row(j: int, tokens: np.ndarray) -> None:
+            kept.write(expanded[todo[j]], tokens)
 
         # slots refill an eighth of the batch at a time (fewer idle slots, against more returns to the host), in
         # whole groups of samples (one prefill per group)
         refill = max(p.num_samples, p.batch_size // 8 // p.num_samples * p.num_samples)
-        rows = self.sampler.generate_rows(
-            expanded, batch_size=p.batch_size, max_prompt_length=self.prompt_length,
+        generated = self.sampler.generate_rows(
+            [expanded[i] for i in todo], batch_size=p.batch_size, max_prompt_length=self.prompt_length,
             max_generation_steps=p.max_new_tokens, eos_tokens=self.stop, stop_strings=self.stop_strings, refill=refill,
-            seed=p.seed if sampling else None, repeats=p.stop_repeats, progress=progress, **sampling,
+            seed=p.seed if sampling else None, repeats=p.stop_repeats, progress=progress,
+            on_row=on_row if kept is not None else None, **sampling,
         )
         report.close()
+        for i, r in zip(todo, generated):
+            rows[i] = r
         self.repeated = [bool(p.stop_repeats) and len(r) < p.max_new_tokens and ends_repeating(r, p.stop_repeats)
                          for r in rows]
         texts = [through_stop(self.sampler.tokenizer.decode(r.tolist()), self.stop_strings) for r in rows]
         return texts, [len(r) for r in rows]
+
+
+class KeptRows:
+    """Greedy generations written to a JSON-lines file as each row ends (its prompt's digest, its tokens), so that a
+    generation stopped part-way (Ctrl-C, a killed or preempted session) takes them on the next run and generates
+    only the rest, as lm-eval's `--use_cache` does. The file belongs to one policy and its decoding settings (the
+    caller names it so); a greedy row depends on its prompt alone. A line cut short by a kill is left out; a file
+    that cannot be written stops keeping rows, with one warning, and the generation goes on."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._writable = True
+
+    @staticmethod
+    def _key(prompt: str) -> str:
+        return hashlib.sha256(prompt.encode()).hexdigest()[:24]
+
+    def taken(self, prompts: list[str]) -> list[np.ndarray | None]:
+        """Each prompt's row as written before, or None."""
+        try:
+            text = self.path.read_text()
+        except OSError:
+            return [None] * len(prompts)
+        known: dict[str, list[int]] = {}
+        for line in text.splitlines():
+            try:
+                row = json.loads(line)
+                known[row["prompt"]] = row["tokens"]
+            except (ValueError, KeyError, TypeError):  # the line a kill cut short
+                continue
+        if text and not text.endswith("\n"):  # the next row starts a line of its own
+            self._append("\n")
+        rows = [known.get(self._key(p)) for p in prompts]
+        return [None if r is None else np.asarray(r, np.int32) for r in rows]
+
+    def write(self, prompt: str, tokens: np.ndarray) -> None:
+        self._append(json.dumps({"prompt": self._key(prompt), "tokens": [int(t) for t in tokens]}) + "\n")
+
+    def _append(self, text: str) -> None:
+        if not self._writable:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as f:  # a row at a time, on disk when it closes: a kill loses one at most
+                f.write(text)
+        except OSError as err:
+            self._writable = False
+            log.warning("generate: cannot write the rows to %s (%s); this generation goes on without keeping them",
+                        self.path, err)
 
 
 def through_stop(text: str, stop_strings: tuple[str, ...]) -> str:

@@ -174,13 +174,13 @@ class Sampler(sampler_lib.Sampler):
     def generate_rows(self, prompts, *, batch_size: int, max_prompt_length: int, max_generation_steps: int, eos_tokens,
                       stop_strings: tuple[str, ...] = (), refill: int | None = None, temperature: float = 0.0,
                       top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
-                      repeats: int | None = None,
-                      progress: Callable[[int, int], None] | None = None) -> list[np.ndarray]:
+                      repeats: int | None = None, progress: Callable[[int, int], None] | None = None,
+                      on_row: Callable[[int, np.ndarray], None] | None = None) -> list[np.ndarray]:
         """Each prompt's completion tokens, in order, by continuous batching over `batch_size` slots: a row ends at
         one of `eos_tokens` (not kept), at the end of one of `stop_strings` (kept), once a block of `repeats` to
         2 x `repeats` - 1 of its tokens has come twice back to back (kept; `rows.repeating`; None: never) or after
         `max_generation_steps` tokens, and its slot takes the next prompt (`refill` at a time); `progress(rows
-        finished, their tokens)`.
+        finished, their tokens)`; `on_row(prompt index, its tokens)` as each row ends.
         How, and what it compiles: docs/upstream_tunix.md, "The sampler's batch decodes until its slowest row ends"."""
         tokens = [self.tokenize(x) for x in prompts]
         if not tokens:
@@ -209,8 +209,11 @@ class Sampler(sampler_lib.Sampler):
                     (rows.state.done, rows.state.token_buffer, rows.end, rows.state.decoding_step))
                 t = int(t)
                 for slot in np.flatnonzero(done & (owner >= 0)):
-                    out[owner[slot]], owner[slot], finished = buffer[slot, first[slot] : end[slot]], -1, finished + 1
+                    out[owner[slot]], finished = buffer[slot, first[slot] : end[slot]], finished + 1
                     generated += end[slot] - first[slot]
+                    if on_row is not None:
+                        on_row(int(owner[slot]), out[owner[slot]])
+                    owner[slot] = -1
                 if progress is not None:
                     progress(finished, generated)
                 if t >= C - 1 and (owner >= 0).any():
