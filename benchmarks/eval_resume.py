@@ -13,7 +13,6 @@ many of the rerun's rows (tokens and texts) and scores equal the whole run's. `-
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -77,14 +76,15 @@ def killed_part_way(root: Path, n: int, kept: Path, kill_at: int, timeout: float
     """This script's `--child` scoring into `kept`, killed with SIGKILL once `kill_at` rows are written there."""
     command = [sys.executable, __file__, "--child", "--root", str(root), "--n", str(n), "--kept", str(kept)]
     started = time.perf_counter()
-    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(kept.parent / "child.log", "w"))
-    while lines(kept / "resume.jsonl") < kill_at and child.poll() is None:
-        if time.perf_counter() - started > timeout:
-            break
-        time.sleep(1)
-    finished = child.poll() is not None
-    child.send_signal(signal.SIGKILL)
-    child.wait()
+    with open(kept.parent / "child.log", "w") as log:
+        child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
+        while lines(kept / "resume.jsonl") < kill_at and child.poll() is None:
+            if time.perf_counter() - started > timeout:
+                break
+            time.sleep(1)
+        finished = child.poll() is not None
+        child.send_signal(signal.SIGKILL)
+        child.wait()
     return {"seconds_to_kill": round(time.perf_counter() - started, 1), "rows_written": lines(kept / "resume.jsonl"),
             "finished_before_kill": finished}
 
