@@ -217,3 +217,28 @@ def test_a_row_that_repeats_a_block_ends_there_and_the_others_run_on(lively, tin
             _, lengths = generator(prompts)
             assert generator.repeated == [loops] * len(prompts)
             assert all(n <= k for n, k in zip(lengths, cut))  # a stop token may come first
+
+
+def test_a_decode_step_updates_the_kv_cache_in_place(lively, tokenizer):
+    """XLA:CPU's default fusion updates each layer's cache twice a step (for the attention, for the loop's state) and
+    copies the whole cache to do it; the sampler compiles with the train step's dot fusion, which does not."""
+    import re
+
+    model, mesh = lively
+    sampler = generation.make_sampler(model, tokenizer, P + 2 * N)
+    decode, taken = sampler._decode_rows, {}
+
+    def take(*args, **kwargs):  # the loop's arguments as generation passes them, then stop
+        taken.update(args=args, kwargs=kwargs)
+        raise StopIteration
+
+    sampler._decode_rows = take
+    with mesh, pytest.raises(StopIteration):
+        sampler.generate_rows(_prompts(8), batch_size=8, max_prompt_length=P, max_generation_steps=N, eos_tokens=[1])
+    hlo = decode.lower(*taken["args"], **taken["kwargs"]).compile().as_text()
+    body = re.search(r"body=%([\w.\-]+)", hlo).group(1)
+    start = hlo.index(f"%{body} ")
+    cache = next(x for x in jax.tree.leaves(taken["args"][1].state.cache) if x.ndim == 4)
+    shape = r"\[" + r",\s*".join(map(str, cache.sharding.shard_shape(cache.shape))) + r"\]"
+    copies = re.findall(rf"= f32{shape}\S* copy\(", hlo[start : hlo.index("\n}", start)])
+    assert not copies, f"{len(copies)} copies of a layer's KV cache each decode step"

@@ -30,6 +30,7 @@ from tunix_pipeline.core.runtime import shard_rows, step_compiler_options
 from tunix_pipeline.tracking.step_metrics import MlflowBackend
 from tunix_pipeline.upstream.event_loops import loops_finish_their_tasks  # noqa: F401
 from tunix_pipeline.upstream.generation import Sampler, grouped_rollout, in_groups  # noqa: F401
+from tunix_pipeline.upstream.jit_options import jit_with_options
 
 REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
@@ -44,34 +45,6 @@ def tunix_key_mapping(params_module, cfg) -> dict:
 def tunix_preprocess(params_module, cfg):
     """Tunix's tensor preprocessing for a family's checkpoint (its loader's private `_make_preprocess_fn`)."""
     return params_module._make_preprocess_fn(cfg)
-
-
-# ---------------------------------------------------------------- Tunix's jitted steps take no compiler options
-class jit_with_options:
-    """Within this block, `jax.jit` (which `nnx.jit` calls) compiles with `options`.
-
-    Tunix builds its train and eval steps with `nnx.jit`, which takes no compiler options; this passes ours to
-    the `jax.jit` underneath, only while they are built (a moment, on the thread that builds the trainer's steps).
-    """
-
-    def __init__(self, options: dict):
-        self.options, self.original = options, None
-
-    def __enter__(self):
-        if self.options:
-            self.original = original = jax.jit
-            options = self.options
-
-            def jit(*args, **kwargs):
-                kwargs.setdefault("compiler_options", options)
-                return original(*args, **kwargs)
-
-            jax.jit = jit
-        return self
-
-    def __exit__(self, *exc):
-        if self.original is not None:
-            jax.jit = self.original
 
 
 # ---------------------------------------------------------------- `shard_input` replicates a process's rows …

@@ -17,7 +17,8 @@ from tunix.generate import sampler as sampler_lib
 from tunix.generate import utils as sampler_utils
 from tunix.rl.rollout import vanilla_rollout
 
-from tunix_pipeline.core.runtime import without_batch_axes
+from tunix_pipeline.core.runtime import step_compiler_options, without_batch_axes
+from tunix_pipeline.upstream.jit_options import jit_with_options
 from tunix_pipeline.upstream.rows import Rows, map_cache, prefill_length, repeating, stop_string_table
 from tunix_pipeline.upstream.sampling import sample_inverse_cdf
 
@@ -46,15 +47,20 @@ class Sampler(sampler_lib.Sampler):
     """
 
     def __init__(self, transformer, tokenizer, cache_config, group_size: int = 1, gather_weights: bool = False):
-        super().__init__(transformer=transformer, tokenizer=tokenizer, cache_config=cache_config)
+        # XLA:CPU's default fusion updates each layer's KV cache twice in a decode step (once for the attention
+        # that reads it, once for the loop's state) and so copies the whole cache four times a layer per step;
+        # the train step's dot fusion keeps one update in place (benchmarks/RESULTS.md, section 38)
+        with jit_with_options(step_compiler_options()):
+            super().__init__(transformer=transformer, tokenizer=tokenizer, cache_config=cache_config)
+            jit = functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("echo",))
+            self._prefills = {g: jit(functools.partial(self._last_token_prefill, group=g)) for g in {1, group_size}}
+            self._label_logprobs = jax.jit(self._next_token_logprobs)
+            rows = functools.partial(jax.jit, static_argnames=("max_new", "repeats"))
+            self._decode_rows = rows(self._decode_rows_fn, donate_argnums=(1,))
+            self._admit_rows = rows(self._admit_rows_fn, donate_argnums=(0,))
+            self._shift_rows = jax.jit(self._shift_rows_fn, donate_argnums=(0,))
+            self._compact_rows = jax.jit(self._compact_rows_fn)
         self.group_size, self.gather_weights = group_size, gather_weights
-        jit = functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("echo",))
-        self._prefills = {g: jit(functools.partial(self._last_token_prefill, group=g)) for g in {1, group_size}}
-        self._label_logprobs = jax.jit(self._next_token_logprobs)
-        self._decode_rows = jax.jit(self._decode_rows_fn, donate_argnums=(1,), static_argnames=("max_new", "repeats"))
-        self._admit_rows = jax.jit(self._admit_rows_fn, donate_argnums=(0,), static_argnames=("max_new", "repeats"))
-        self._shift_rows = jax.jit(self._shift_rows_fn, donate_argnums=(0,))
-        self._compact_rows = jax.jit(self._compact_rows_fn)
         self._stop_tables: dict[tuple[str, ...], tuple] = {}
 
     @classmethod
