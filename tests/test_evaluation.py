@@ -496,6 +496,21 @@ def test_an_evaluation_stopped_part_way_generates_only_the_rows_it_had_not(tiny,
     assert sorted(p.name for p in kept.iterdir()) == ["policy-a.jsonl"]
 
 
+def test_kept_rows_that_are_not_rows_are_generated_again(tmp_path):
+    """A kept file edited by hand or cut by a kill: only whole rows of token ids are taken, and the next row written
+    starts a line of its own."""
+    kept = generation.KeptRows(tmp_path / "rows.jsonl")
+    key = generation.KeptRows._key
+    lines = [{"prompt": key("a"), "tokens": [5, 6]}, {"prompt": key("b"), "tokens": ["5", 6]},
+             {"prompt": key("c"), "tokens": 7}, {"prompt": key("d"), "tokens": [1.5]}, ["e"], {"tokens": [1]}]
+    kept.path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"prompt": "' + key("f"))
+    taken = kept.taken(["a", "b", "c", "d", "e", "f"])
+    assert taken[0].tolist() == [5, 6] and taken[1:] == [None] * 5
+    kept.write("b", np.array([8]))
+    assert json.loads(kept.path.read_text().splitlines()[-1]) == {"prompt": key("b"), "tokens": [8]}
+    assert [r.tolist() for r in kept.taken(["a", "b"])] == [[5, 6], [8]]
+
+
 def test_scored_by_names_the_checkpoint_as_committed_and_every_setting(tmp_path):
     import orbax.checkpoint as ocp
 

@@ -161,8 +161,9 @@ class KeptRows:
     """Greedy generations written to a JSON-lines file as each row ends (its prompt's digest, its tokens), so that a
     generation stopped part-way (Ctrl-C, a killed or preempted session) takes them on the next run and generates
     only the rest, as lm-eval's `--use_cache` does. The file belongs to one policy and its decoding settings (the
-    caller names it so); a greedy row depends on its prompt alone. A line cut short by a kill is left out; a file
-    that cannot be written stops keeping rows, with one warning, and the generation goes on."""
+    caller names it so); a greedy row depends on its prompt alone. A line cut short by a kill, or a row whose tokens
+    are not token ids, is generated again; a file that cannot be written stops keeping rows, with one warning, and the
+    generation goes on."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -182,9 +183,11 @@ class KeptRows:
         for line in text.splitlines():
             try:
                 row = json.loads(line)
-                known[row["prompt"]] = row["tokens"]
+                prompt, tokens = row["prompt"], row["tokens"]
             except (ValueError, KeyError, TypeError):  # the line a kill cut short
                 continue
+            if isinstance(tokens, list) and all(type(t) is int for t in tokens):  # not a row edited by hand
+                known[prompt] = tokens
         if text and not text.endswith("\n"):  # the next row starts a line of its own
             self._append("\n")
         rows = [known.get(self._key(p)) for p in prompts]
