@@ -2,6 +2,8 @@
 (stop tokens, a stop string such as `</answer>`, a block repeated back to back, its length limit) and its slot takes
 the next prompt; greedy rows get the tokens the sampler's fixed batches give them."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -222,8 +224,6 @@ def test_a_row_that_repeats_a_block_ends_there_and_the_others_run_on(lively, tin
 def test_a_decode_step_updates_the_kv_cache_in_place(lively, tokenizer):
     """XLA:CPU's default fusion updates each layer's cache twice a step (for the attention, for the loop's state) and
     copies the whole cache to do it; the sampler compiles with the train step's dot fusion, which does not."""
-    import re
-
     model, mesh = lively
     sampler = generation.make_sampler(model, tokenizer, P + 2 * N)
     decode, taken = sampler._decode_rows, {}

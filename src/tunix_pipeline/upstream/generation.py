@@ -48,7 +48,7 @@ class Sampler(sampler_lib.Sampler):
 
     def __init__(self, transformer, tokenizer, cache_config, group_size: int = 1, gather_weights: bool = False):
         # XLA:CPU's default fusion updates each layer's KV cache twice in a decode step (once for the attention
-        # that reads it, once for the loop's state) and so copies the whole cache four times a layer per step;
+        # that reads it, once for the loop's state) and so copies each layer's keys and values four times a step;
         # the train step's dot fusion keeps one update in place (benchmarks/RESULTS.md, section 38)
         with jit_with_options(step_compiler_options()):
             super().__init__(transformer=transformer, tokenizer=tokenizer, cache_config=cache_config)
