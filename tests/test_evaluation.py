@@ -477,7 +477,7 @@ def test_an_evaluation_stopped_part_way_generates_only_the_rows_it_had_not(tiny,
     lines = (kept / "policy-a.jsonl").read_text().splitlines()
     assert len(lines) == 10 and "generations_resumed" not in whole
     by_key = {json.loads(line)["prompt"]: json.loads(line)["tokens"] for line in lines}
-    keys = [generation.KeptRows._key(p) for p in formatted["prompt"]]
+    keys = [generation.prompt_key(p) for p in formatted["prompt"]]
     assert [len(by_key[k]) for k in keys] == rows["completion_tokens"].tolist()  # every prompt's row, whole
 
     stopped = tmp_path / "stopped"
@@ -500,7 +500,7 @@ def test_kept_rows_that_are_not_rows_are_generated_again(tmp_path):
     """A kept file edited by hand or cut by a kill: only whole rows of token ids are taken, and the next row written
     starts a line of its own."""
     kept = generation.KeptRows(tmp_path / "rows.jsonl")
-    key = generation.KeptRows._key
+    key = generation.prompt_key
     lines = [{"prompt": key("a"), "tokens": [5, 6]}, {"prompt": key("b"), "tokens": ["5", 6]},
              {"prompt": key("c"), "tokens": 7}, {"prompt": key("d"), "tokens": [1.5]}, ["e"], {"tokens": [1]}]
     kept.path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"prompt": "' + key("f"))

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import zlib
 
 import jax
 import numpy as np
@@ -23,6 +24,13 @@ MESH = RuntimeParams(mesh={"fsdp": 4, "tp": 2})
 def distinct_chars(prompts, completions, **columns):
     """A custom reward (used by dotted path): varies between random completions, so advantages are not 0."""
     return [len(set(c)) / 10 for c in completions]
+
+
+def sometimes_right(prompts, completions, answer, **columns):
+    """A custom reward for the prompt filter: odd answers are never right, 0 always, the others score each sample's
+    text (random samples differ), so which prompts the filter keeps does not hang on what the tiny model writes."""
+    return [0.0 if int(a) % 2 else 1.0 if a == "0" else zlib.crc32(c.encode()) % 997 / 997
+            for a, c in zip(answer, completions)]
 
 
 @pytest.fixture(scope="module")
@@ -329,3 +337,80 @@ def test_grpo_dev_eval_keeps_the_best_step(tiny_model_dir, tokenizer, formatted,
     assert restore_required(fresh, ckpt, "grpo", "export", selected_step(result)) == 1
     assert all(np.array_equal(at_step[0][k], v) for k, v in _weights(fresh).items())
     assert not all(np.array_equal(at_step[1][k], v) for k, v in _weights(fresh).items())
+
+
+def test_the_prompt_filter_keeps_the_prompts_whose_samples_score_differently(tiny_model_dir, tokenizer, formatted,
+                                                                            tmp_path, monkeypatch):
+    from tunix_pipeline.core.paths import storage_path
+    from tunix_pipeline.models import load_model
+    from tunix_pipeline.train.skips import NothingToLearn
+
+    mesh = make_mesh(MESH)
+    model, _ = load_model(tiny_model_dir, mesh, "float32")
+    screens = []  # each time the policy is sampled
+    sample = grpo._screen
+    monkeypatch.setattr(grpo, "_screen", lambda *a, **k: screens.append(1) or sample(*a, **k))
+
+    def screened(**settings):
+        params = _params(tmp_path, rewards=[{"fn": "tests.test_grpo:sometimes_right"}, {"fn": "answer"}],
+                         **{"prompt_filter": {"samples": 4, "reward": "sometimes_right", "batch_size": 8}, **settings})
+        inputs = grpo.prepare(formatted, tokenizer, params, mesh)
+        root = storage_path(params.checkpoint_dir)
+        return (*grpo.filtered_prompts(model, tokenizer, inputs.prompts, inputs.rewards, params, mesh, root), root)
+
+    rows, summary, root = screened()
+    assert sorted(rows["answer"], key=int) == ["2", "4", "6", "8", "10"]  # odd: never right; 0: always
+    assert {k: v for k, v in summary.items() if k != "seconds"} == {
+        "samples": 4, "reward": "sometimes_right", "screened": 12, "kept": 5, "none_right": 6, "all_right": 1,
+        "reused": False}
+    saved = json.loads((root / grpo.FILTER_FILE).read_text())
+    assert len(saved["scores"]) == 12 and all(len(s) == 4 for s in saved["scores"].values())
+    # a resumed run reads the scores back; other settings sample again
+    again, summary, _ = screened()
+    assert summary["reused"] and again.equals(rows) and len(screens) == 1
+    assert not screened(temperature=0.5)[1]["reused"] and len(screens) == 2
+    # too few kept for one batch: nothing to learn (the node skips the stage and says why)
+    with pytest.raises(NothingToLearn, match=r"5 of 12 prompts score differently on 'sometimes_right' across their 4 "
+                                             r"samples \(6 never right, 1 always right\), and one batch takes "
+                                             r"grpo.batch_size=6: screen more prompts"):
+        screened(batch_size=6)
+    with pytest.raises(ValueError, match="prompt_filter.reward 'correct' names none of the rewards"):
+        _params(tmp_path, prompt_filter={"reward": "correct"})
+    with pytest.raises(grpo.GrpoError, match="prompt_filter.batch_size = 6 rows at a time must divide over the 4"):
+        screened(prompt_filter={"batch_size": 6, "reward": "sometimes_right"})
+
+
+def test_grpo_trains_on_the_prompts_the_filter_kept(tiny_model_dir, tokenizer, formatted, tmp_path):
+    from tunix_pipeline.models import load_model
+
+    mesh = make_mesh(MESH)
+    model, _ = load_model(tiny_model_dir, mesh, "float32")
+    params = _params(tmp_path, max_steps=1, checkpoint_every=1,
+                     rewards=[{"fn": "tests.test_grpo:sometimes_right"}, {"fn": "answer"}],
+                     prompt_filter={"samples": 2, "reward": "sometimes_right", "batch_size": 8})
+    result = grpo.train_grpo(model, tokenizer, grpo.prepare(formatted, tokenizer, params, mesh), params, mesh)
+    assert result["latest_step"] == 1 and result["prompts"] == result["prompt_filter"]["kept"] == 5
+    assert result["history"][0]["reward/sometimes_right"] > 0  # no batch of never-right prompts
+
+
+@pytest.mark.slow  # the smoke run's SFT policy
+def test_a_filter_that_keeps_too_few_prompts_skips_the_stage(smoke_run, formatted, tmp_path, monkeypatch):
+    """The GRPO node over the smoke run's SFT policy: the tiny model answers nothing right, so no prompt is kept; the
+    stage is skipped with the screen's counts as its reason and SFT's policy passes on."""
+    from kedro.config import OmegaConfigLoader
+
+    from tunix_pipeline.config import ModelParams, RuntimeParams, TrackingParams
+    from tunix_pipeline.pipelines.grpo.nodes import run_grpo
+
+    project = smoke_run.project
+    monkeypatch.chdir(project)  # the results' folders are the project's
+    conf = OmegaConfigLoader(conf_source=str(project / "conf"), base_env="base", default_run_env="gpu_smoke")
+    settings = conf["parameters"]
+    base = json.loads((project / "data" / "02_intermediate" / "base_model.json").read_text())
+    sft = json.loads((project / "data" / "06_models" / "sft_result.json").read_text())
+    params = _params(tmp_path, enabled=True, prompt_filter={"samples": 2, "reward": "answer", "batch_size": 8})
+    result = run_grpo(formatted, formatted, base, sft, ModelParams(**settings["model"]), params,
+                      RuntimeParams(**settings["runtime"]), TrackingParams(**settings["tracking"]))
+    assert result["skipped"] and not result["enabled"] and result["checkpoint_dir"] == sft["checkpoint_dir"]
+    assert result["skip_reason"].startswith("grpo.prompt_filter: 0 of 12 prompts score differently on 'answer'")
+    assert not (tmp_path / "grpo" / "actor").exists()  # nothing trained

@@ -102,6 +102,21 @@ def test_a_phase_that_does_not_fit_or_a_short_session_is_a_warning():
     assert blind.summary()["stages"]["total_hours"] is None
 
 
+def test_the_prompt_filters_screen_is_in_the_hours():
+    plain = _plan(max_prompts=64).polish["grpo"]["selected"]
+    plan = _plan(max_prompts=64, prompt_filter={"samples": 8})
+    screened = plan.polish["grpo"]["selected"]
+    # 64 prompts x 8 samples, each completion timed as a rollout's (a step generates 2 prompts x 4)
+    seconds = plain["generation_seconds"] * 64 * 8 / 8
+    assert screened["prompt_filter"] == {"completions": 512, "seconds": pytest.approx(seconds, rel=1e-12)}
+    assert (screened["hours"] - plain["hours"]) * 3600 == pytest.approx(seconds, rel=1e-9)
+    assert "The prompt filter's screen first, 512 completions" in _markdown(plan)
+    # no pool size known (every training prompt, rows not counted): said, not guessed
+    unknown = _plan(prompt_filter={"samples": 8})
+    assert unknown.polish["grpo"]["selected"]["prompt_filter"] == {"completions": None, "seconds": None}
+    assert "set grpo.max_prompts (or plan.train_rows) to time it" in _markdown(unknown)
+
+
 @pytest.mark.slow
 def test_grpo_compiles_for_a_kaggle_v5e_8():
     """Both programs of the Gemma-2-2B Kaggle recipe's GRPO, 3 of its 26 layers, compiled by XLA:TPU for v5e 2x4."""

@@ -20,7 +20,7 @@ from tunix_pipeline.config.evaluate import (
     HarnessParams, EvaluateParams, ExportParams, WandbParams, SystemMetricsParams, RegistryParams, TrackingParams,
 )
 from tunix_pipeline.config.polish import (
-    JudgeParams, RewardParams, GrpoParams, PairsFromRewardsParams, PreferenceParams,
+    JudgeParams, RewardParams, PromptFilterParams, GrpoParams, PairsFromRewardsParams, PreferenceParams,
 )
 from tunix_pipeline.config.plan import (
     HardwareProfile, PlanBudget, XlaCheckParams, PlanParams,
@@ -53,6 +53,7 @@ __all__ = [
     "JudgeParams",
     "RewardParams",
     "GrpoParams",
+    "PromptFilterParams",
     "PairsFromRewardsParams",
     "PreferenceParams",
     "HardwareProfile",

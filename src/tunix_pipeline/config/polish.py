@@ -90,6 +90,16 @@ class RewardParams(Strict):
         return self
 
 
+class PromptFilterParams(Strict):
+    """Before GRPO's first step, the starting policy samples each pool prompt `samples` times as the rollouts do, and
+    GRPO trains only on the prompts whose samples score differently on `reward` (some right, some wrong): a group
+    whose samples all score the same has no advantage to learn from (DAPO's dynamic sampling, done once up front)."""
+
+    samples: int = Field(8, ge=2, description="samples a prompt (more find more prompts the policy solves sometimes)")
+    reward: str = Field("answer", description="the name of the grpo.rewards entry that decides")
+    batch_size: int = Field(32, gt=0, description="rows generated at a time")
+
+
 class GrpoParams(OptimizerSettings, CheckpointSettings):
     """GRPO polish from the SFT checkpoint with Tunix's RLCluster + GRPOLearner (vanilla rollout)."""
 
@@ -120,6 +130,8 @@ class GrpoParams(OptimizerSettings, CheckpointSettings):
     checkpoint_dir: Location = "data/06_models/grpo_checkpoints"
     # as sft.dev_eval: score the dev split every N steps, keep and hand on the best step; null: the latest
     dev_eval: DevEvalParams | None = None
+    # null: every pool prompt; on: only those the starting policy solves some of the time (`PromptFilterParams`)
+    prompt_filter: PromptFilterParams | None = None
     seed: int = 0
     rewards: list[RewardParams] = Field(
         [
@@ -148,6 +160,8 @@ class GrpoParams(OptimizerSettings, CheckpointSettings):
         names = [r.name or r.fn.rsplit(":", 1)[-1] for r in self.rewards]
         if len(set(names)) != len(names):
             raise ValueError(f"reward names must be unique (set `name:`), got {names}")
+        if self.prompt_filter is not None and self.prompt_filter.reward not in names:
+            raise ValueError(f"prompt_filter.reward {self.prompt_filter.reward!r} names none of the rewards {names}")
         return self
 
 

@@ -157,6 +157,11 @@ class Generator:
         return texts, [len(r) for r in rows]
 
 
+def prompt_key(prompt: str) -> str:
+    """A prompt's digest: what a file of rows or scores kept for later runs knows it by."""
+    return hashlib.sha256(prompt.encode()).hexdigest()[:24]
+
+
 class KeptRows:
     """Greedy generations written to a JSON-lines file as each row ends (its prompt's digest, its tokens), so that a
     generation stopped part-way (Ctrl-C, a killed or preempted session) takes them on the next run and generates
@@ -168,10 +173,6 @@ class KeptRows:
     def __init__(self, path: Path):
         self.path = Path(path)
         self._writable = True
-
-    @staticmethod
-    def _key(prompt: str) -> str:
-        return hashlib.sha256(prompt.encode()).hexdigest()[:24]
 
     def taken(self, prompts: list[str]) -> list[np.ndarray | None]:
         """Each prompt's row as written before, or None."""
@@ -190,11 +191,11 @@ class KeptRows:
                 known[prompt] = tokens
         if text and not text.endswith("\n"):  # the next row starts a line of its own
             self._append("\n")
-        rows = [known.get(self._key(p)) for p in prompts]
+        rows = [known.get(prompt_key(p)) for p in prompts]
         return [None if r is None else np.asarray(r, np.int32) for r in rows]
 
     def write(self, prompt: str, tokens: np.ndarray) -> None:
-        self._append(json.dumps({"prompt": self._key(prompt), "tokens": [int(t) for t in tokens]}) + "\n")
+        self._append(json.dumps({"prompt": prompt_key(prompt), "tokens": [int(t) for t in tokens]}) + "\n")
 
     def _append(self, text: str) -> None:
         if not self._writable:

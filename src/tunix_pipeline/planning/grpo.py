@@ -20,6 +20,9 @@ A step of Tunix's GRPOLearner (our `train/grpo.py`, vanilla rollout, the actor's
    loss takes the whole logits); with `micro_batch_size`, micro x G sequences at a time, their gradients
    accumulated (train/grpo.py's Tunix micro-batches: the log-probabilities and the gradient; the rollout still
    decodes the whole batch at once).
+3. **the prompt filter** (`grpo.prompt_filter`, once before the first step): the pool's prompts x `samples`
+   completions, timed as the rollouts' generation per completion; the pool is `max_prompts`, at most the
+   training rows where the plan knows them (unknown without either: no time for it).
 
 The reference (`loop.frozen_copy`) shares the actor's arrays until the actor changes them: a
 whole copy of the weights with full fine-tuning, only the adapters with LoRA.
@@ -126,6 +129,11 @@ def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, sessio
     judge_seconds = judges["seconds"] if judges else 0.0
     if decode_seconds is None or judge_seconds is None:  # no bandwidth or no roofline fraction: no time
         return out
+    if grpo.prompt_filter is not None:
+        pool = min((n for n in (grpo.max_prompts, plan.job.train_rows) if n), default=None)
+        completions = pool and pool * grpo.prompt_filter.samples
+        seconds = completions and (prefill_seconds + decode_seconds) * completions / (grpo.batch_size * grpo.num_generations)
+        out["prompt_filter"] = {"completions": completions, "seconds": seconds}
     _timed(out, prefill_seconds + decode_seconds + logps_seconds + update_seconds + judge_seconds, grpo, row, params)
     return out
 
@@ -135,7 +143,8 @@ def _timed(out: dict, step: float, grpo: GrpoParams, row: Row, params: PlanParam
     hw = row.hw
     setup_hours = (hw.setup_minutes if hw.setup_minutes is not None else params.session_setup_minutes) / 60
     saves = math.ceil(grpo.max_steps / grpo.checkpoint_every)
-    hours = (out["rollout_batches"] * step + saves * row.checkpoint_seconds) / 3600 + setup_hours
+    screen = (out.get("prompt_filter") or {}).get("seconds") or 0.0
+    hours = (screen + out["rollout_batches"] * step + saves * row.checkpoint_seconds) / 3600 + setup_hours
     out.update(
         step_seconds=step,
         samples_per_hour=grpo.batch_size * grpo.num_generations * 3600 / step,
@@ -261,7 +270,7 @@ def markdown_section(plan: Plan) -> list[str]:
                   f"completions an hour: {s['hours']:.3g} h with set-up"
                   + (f", within the {s['session_hours']:g} h session" if s["within_session"] and s["session_hours"]
                      else f", **over** the {s['session_hours']:g} h session" if s["session_hours"] else "")
-                  + ".", "", decode_line(s["decode_step"]) + f" The update at MFU {s['mfu']:g}, **assumed** "
+                  + "." + _filter_sentence(s.get("prompt_filter")), "", decode_line(s["decode_step"]) + f" The update at MFU {s['mfu']:g}, **assumed** "
                   f"({hw.mfu_source or 'plan.mfu'}).", ""]
         if s["quoted_estimate"]:
             lines += [f"**GRPO completions an hour on {s['hardware']}:** this plan {s['samples_per_hour']:,.0f} "
@@ -281,6 +290,15 @@ def markdown_section(plan: Plan) -> list[str]:
                      f"{'yes' if r['fits'] else 'no'} | {_time(r['step_seconds'])} | {per_hour} | "
                      f"{_time(r['hours'])} | {cost} |")
     return lines
+
+
+def _filter_sentence(screen: dict | None) -> str:
+    if screen is None:
+        return ""
+    if screen["seconds"] is None:
+        return " The prompt filter's screen is not in it: set grpo.max_prompts (or plan.train_rows) to time it."
+    return (f" The prompt filter's screen first, {screen['completions']:,} completions: {screen['seconds'] / 3600:.2g} h "
+            "of them.")
 
 
 def xla_lines(x: dict) -> list[str]:

@@ -223,7 +223,8 @@ def load_history(ckpt_dir: epath.Path, upto_step: int, name: str = HISTORY_FILE)
         return []
 
 
-def save_history(ckpt_dir: epath.Path, history: list[dict], name: str = HISTORY_FILE) -> None:
+def save_history(ckpt_dir: epath.Path, history: list[dict] | dict, name: str = HISTORY_FILE) -> None:
+    """`history` as JSON in `ckpt_dir/name`, whole or not at all (process 0 writes)."""
     if jax.process_index() != 0:
         return
     ckpt_dir.mkdir(parents=True, exist_ok=True)

@@ -12,13 +12,16 @@ What we add around Tunix, through its own seams:
 - a new sampling seed per step (Tunix's rollout otherwise reuses one key every step);
 - checkpoints every `checkpoint_every` steps and at the last step (with Tunix's
   step metadata), resumed automatically, and a reward/KL history kept beside them;
-- with `grpo.dev_eval`, the dev split scored every N steps and the best step kept (`dev_eval`).
+- with `grpo.dev_eval`, the dev split scored every N steps and the best step kept (`dev_eval`);
+- with `grpo.prompt_filter`, only the prompts the starting policy solves some of the time (`filtered_prompts`).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import time
 from dataclasses import dataclass
 
 import jax
@@ -28,13 +31,15 @@ from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.rollout import base_rollout
 
 from tunix_pipeline import upstream
-from tunix_pipeline.config import GrpoParams
+from tunix_pipeline.config import EvaluateParams, GrpoParams
 from tunix_pipeline.core import progress
 from tunix_pipeline.core.errors import TrainingInterrupted, UserError
 from tunix_pipeline.core.paths import storage_path
 from tunix_pipeline.core.processes import barrier
 from tunix_pipeline.core.runtime import BATCH_AXES, data_parallel_size
-from tunix_pipeline.generate.generation import end_tokens, fitting_prompts, gathers_weights
+from tunix_pipeline.generate.generation import (
+    Generator, end_tokens, fitting_prompts, gathers_weights, prompt_key, sampling_args,
+)
 from tunix_pipeline.stages import StageResult
 from tunix_pipeline.train import checkpoints
 from tunix_pipeline.train.loop import frozen_copy, stop_on_signals
@@ -45,6 +50,7 @@ from tunix_pipeline.upstream.rl import algorithm
 
 log = logging.getLogger(__name__)
 HISTORY_FILE = "grpo_history.json"
+FILTER_FILE = "prompt_filter.json"  # the screen's scores (`filtered_prompts`), beside the checkpoints
 
 
 class GrpoError(UserError, ValueError):
@@ -127,6 +133,9 @@ def train_grpo(
     the dev split as it goes and keeping the best step, or None."""
     rows, rewards = inputs.prompts, inputs.rewards
     root = storage_path(params.checkpoint_dir)  # a gs:// URI reaches Orbax as it is
+    screen = None
+    if params.prompt_filter is not None:  # sampled from the starting policy, before a GRPO checkpoint restores
+        rows, screen = filtered_prompts(model, tokenizer, rows, rewards, params, mesh, root, decode_weights)
     rollout = _rollout_config(params, tokenizer)
     algo_config, learner_cls = algorithm(params)
     cluster_config = _cluster_config(params, mesh, root, checkpoints.logger_options(root, metrics_backends), rollout,
@@ -175,6 +184,7 @@ def train_grpo(
         "rewards": dict(rewards.weights),
         "prompts": len(rows),
         "prompts_too_long": inputs.too_long,
+        "prompt_filter": screen,
         "completions_per_step": params.batch_size * params.num_generations,
         "first_reward": history[0].get("reward") if history else None,
         "last_reward": history[-1].get("reward") if history else None,
@@ -205,6 +215,69 @@ def _learn(cluster, learner, feed: PromptFeed, start_step: int, max_steps: int, 
             cluster.close()
 
 
+def filtered_prompts(model, tokenizer, rows: pd.DataFrame, rewards: RewardSet, params: GrpoParams, mesh, root,
+                     decode_weights: str = "sharded") -> tuple[pd.DataFrame, dict]:
+    """(the prompts of `rows` whose samples from `model` score differently on `grpo.prompt_filter.reward`, the
+    screen's summary). Each prompt is sampled `samples` times with the rollouts' settings; the scores are kept in
+    `root/FILTER_FILE` and read back by a run with the same settings and prompts (a resumed run samples nothing).
+    Fewer kept prompts than one batch is `NothingToLearn`."""
+    spec = params.prompt_filter
+    started = time.perf_counter()
+    settings = {"reward": spec.reward, "samples": spec.samples, "temperature": params.temperature,
+                "top_p": params.top_p, "top_k": params.top_k, "max_completion_length": params.max_completion_length}
+    keys = [prompt_key(p) for p in rows["prompt"]]
+    scores = _kept_scores(root / FILTER_FILE, settings, keys)
+    reused = scores is not None
+    if not reused:
+        scores = _screen(model, tokenizer, rows, rewards, params, mesh, decode_weights)
+        checkpoints.save_history(root, {**settings, "scores": dict(zip(keys, scores.tolist()))}, FILTER_FILE)
+    differ = np.ptp(scores, axis=1) > 1e-9
+    summary = {"samples": spec.samples, "reward": spec.reward, "screened": len(rows), "kept": int(differ.sum()),
+               "none_right": int((scores.max(axis=1) <= 0).sum()),
+               "all_right": int((~differ & (scores.min(axis=1) > 0)).sum()),
+               "reused": reused, "seconds": round(time.perf_counter() - started, 1)}
+    told = (f"{summary['kept']} of {len(rows)} prompts score differently on {spec.reward!r} across their "
+            f"{spec.samples} samples ({summary['none_right']} never right, {summary['all_right']} always right)")
+    if summary["kept"] < params.batch_size:
+        raise NothingToLearn("grpo", f"grpo.prompt_filter: {told}, and one batch takes grpo.batch_size="
+                             f"{params.batch_size}", "screen more prompts (grpo.max_prompts) or sample each more "
+                             "often (grpo.prompt_filter.samples), or set grpo.prompt_filter: null")
+    log.info("grpo: prompt filter: %s; training on those (%s in %.0f s)", told,
+             "scores read back" if reused else "sampled", summary["seconds"])
+    return rows[differ].reset_index(drop=True), summary
+
+
+def _screen(model, tokenizer, rows: pd.DataFrame, rewards: RewardSet, params: GrpoParams, mesh,
+            decode_weights: str) -> np.ndarray:
+    """(prompts, samples) scores of `model`'s samples on the filter's reward, sampled as the rollouts sample."""
+    spec = params.prompt_filter
+    sampling = EvaluateParams(num_prompts=len(rows), max_new_tokens=params.max_completion_length,
+                              batch_size=spec.batch_size, num_samples=spec.samples, stop_repeats=None,
+                              seed=params.seed, compare_base_model=False,
+                              **sampling_args(params.temperature, params.top_p, params.top_k))
+    generator = Generator(model, tokenizer, sampling, params.max_prompt_length, decode_weights, stop_strings=())
+    with mesh:
+        texts, _ = generator(rows["prompt"].tolist())
+    repeated = {key: np.repeat(rows[column].astype(str).to_numpy(), spec.samples)
+                for key, column in REWARD_COLUMNS.items() if column in rows}
+    prompts = np.repeat(rows["prompt"].to_numpy(), spec.samples)
+    scores = rewards.score_one(rewards.names.index(spec.reward), prompts, texts, **repeated)
+    return scores.reshape(len(rows), spec.samples)
+
+
+def _kept_scores(path, settings: dict, keys: list[str]) -> np.ndarray | None:
+    """The scores an earlier screen with `settings` kept for each of `keys`, or None (none kept, other settings or
+    prompts, a file that cannot be read)."""
+    try:
+        kept = json.loads(path.read_text())
+        if {k: kept.get(k) for k in settings} != settings:
+            return None
+        scores = np.array([kept["scores"][k] for k in keys], dtype=np.float64)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return scores if scores.shape == (len(keys), settings["samples"]) else None
+
+
 def training_prompts(train_formatted: pd.DataFrame, tokenizer, params: GrpoParams, mesh) -> tuple[pd.DataFrame, int]:
     """(the prompts that fit `max_prompt_length`, at most `max_prompts` of them; how many did not fit).
 
@@ -218,6 +291,10 @@ def training_prompts(train_formatted: pd.DataFrame, tokenizer, params: GrpoParam
             f"{what} x grpo.num_generations = {micro} completions at a time must divide over the "
             f"{data_parallel_size(mesh)} data-parallel devices of the mesh {dict(mesh.shape)}"
         )
+    screen = params.prompt_filter
+    if screen is not None and screen.batch_size % data_parallel_size(mesh):
+        raise GrpoError(f"grpo.prompt_filter.batch_size = {screen.batch_size} rows at a time must divide over the "
+                        f"{data_parallel_size(mesh)} data-parallel devices of the mesh {dict(mesh.shape)}")
     rows, too_long = fitting_prompts(train_formatted, tokenizer, params.max_prompt_length,
                                      setting="grpo.max_prompt_length")
     if len(rows) < params.batch_size:

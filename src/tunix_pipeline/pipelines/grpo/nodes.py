@@ -39,7 +39,10 @@ def run_grpo(
     step = restore_required(network, storage_path(parent_result["checkpoint_dir"]), policy_stage(parent_result),
                             GRPO.name, selected_step(parent_result))
     backends = metrics_backends(tracking, runtime.output_root, "grpo")
-    result = train_grpo(network, tokenizer, inputs, grpo, mesh, backends, runtime.decode_weights, dev)
+    try:
+        result = train_grpo(network, tokenizer, inputs, grpo, mesh, backends, runtime.decode_weights, dev)
+    except NothingToLearn as err:  # `grpo.prompt_filter` kept too few prompts
+        return skip_stage(err, grpo.strict, passed_through(parent_result))
     if backends and MlflowBackend in backends:  # the points measured after its backends closed
         log_curve(result["dev_curve"], "grpo")
     return {
