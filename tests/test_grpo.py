@@ -28,8 +28,9 @@ def distinct_chars(prompts, completions, **columns):
 
 def sometimes_right(prompts, completions, answer, **columns):
     """A custom reward for the prompt filter: odd answers are never right, 0 always, the others score each sample's
-    text (random samples differ), so which prompts the filter keeps does not hang on what the tiny model writes."""
-    return [0.0 if int(a) % 2 else 1.0 if a == "0" else zlib.crc32(c.encode()) % 997 / 997
+    text in [0.5, 1) (random samples differ), so which prompts the filter keeps does not hang on what the tiny model
+    writes."""
+    return [0.0 if int(a) % 2 else 1.0 if a == "0" else 0.5 + zlib.crc32(c.encode()) % 997 / 1994
             for a, c in zip(answer, completions)]
 
 
@@ -353,7 +354,8 @@ def test_the_prompt_filter_keeps_the_prompts_whose_samples_score_differently(tin
 
     def screened(**settings):
         params = _params(tmp_path, rewards=[{"fn": "tests.test_grpo:sometimes_right"}, {"fn": "answer"}],
-                         **{"prompt_filter": {"samples": 4, "reward": "sometimes_right", "batch_size": 8}, **settings})
+                         **{"prompt_filter": {"samples": 4, "reward": "sometimes_right", "right_at": None, "batch_size": 8},
+                            **settings})
         inputs = grpo.prepare(formatted, tokenizer, params, mesh)
         root = storage_path(params.checkpoint_dir)
         return (*grpo.filtered_prompts(model, tokenizer, inputs.prompts, inputs.rewards, params, mesh, root), root)
@@ -361,8 +363,8 @@ def test_the_prompt_filter_keeps_the_prompts_whose_samples_score_differently(tin
     rows, summary, root = screened()
     assert sorted(rows["answer"], key=int) == ["2", "4", "6", "8", "10"]  # odd: never right; 0: always
     assert {k: v for k, v in summary.items() if k != "seconds"} == {
-        "samples": 4, "reward": "sometimes_right", "screened": 12, "kept": 5, "none_right": 6, "all_right": 1,
-        "reused": False}
+        "samples": 4, "reward": "sometimes_right", "right_at": None, "screened": 12, "kept": 5, "none_right": 6,
+        "all_right": 6, "reused": False}  # above 0: every sample of the even prompts (the kept among them)
     saved = json.loads((root / grpo.FILTER_FILE).read_text())
     assert len(saved["scores"]) == 12 and all(len(s) == 4 for s in saved["scores"].values())
     # a resumed run reads the scores back; other settings sample again
@@ -371,13 +373,24 @@ def test_the_prompt_filter_keeps_the_prompts_whose_samples_score_differently(tin
     assert not screened(temperature=0.5)[1]["reused"] and len(screens) == 2
     # too few kept for one batch: nothing to learn (the node skips the stage and says why)
     with pytest.raises(NothingToLearn, match=r"5 of 12 prompts score differently on 'sometimes_right' across their 4 "
-                                             r"samples \(6 never right, 1 always right\), and one batch takes "
+                                             r"samples \(6 never right, 6 always right\), and one batch takes "
                                              r"grpo.batch_size=6: screen more prompts"):
         screened(batch_size=6)
     with pytest.raises(ValueError, match="prompt_filter.reward 'correct' names none of the rewards"):
         _params(tmp_path, prompt_filter={"reward": "correct"})
     with pytest.raises(grpo.GrpoError, match="prompt_filter.batch_size = 6 rows at a time must divide over the 4"):
         screened(prompt_filter={"batch_size": 6, "reward": "sometimes_right"})
+
+
+def test_a_prompt_is_kept_when_some_samples_are_right_and_some_not():
+    scores = np.array([[0, 0, 0], [1, 0, 0.5], [1, 1, 1], [0.5, 0.5, 0.2], [0.2, 0.2, 0.2]])
+    kept, never, always = grpo.screened_groups(scores, right_at=1.0)  # near misses (partial credit) are not right
+    assert (kept.tolist(), never.tolist(), always.tolist()) == (
+        [False, True, False, False, False], [True, False, False, True, True], [False, False, True, False, False])
+    kept, never, always = grpo.screened_groups(scores, right_at=0.5)
+    assert kept.tolist() == [False, True, False, True, False] and always.tolist() == [False, False, True, False, False]
+    kept, never, always = grpo.screened_groups(scores, right_at=None)  # any difference: partial credit too
+    assert kept.tolist() == [False, True, False, True, False] and never.tolist() == [True, False, False, False, False]
 
 
 def test_grpo_trains_on_the_prompts_the_filter_kept(tiny_model_dir, tokenizer, formatted, tmp_path):
@@ -387,7 +400,7 @@ def test_grpo_trains_on_the_prompts_the_filter_kept(tiny_model_dir, tokenizer, f
     model, _ = load_model(tiny_model_dir, mesh, "float32")
     params = _params(tmp_path, max_steps=1, checkpoint_every=1,
                      rewards=[{"fn": "tests.test_grpo:sometimes_right"}, {"fn": "answer"}],
-                     prompt_filter={"samples": 2, "reward": "sometimes_right", "batch_size": 8})
+                     prompt_filter={"samples": 2, "reward": "sometimes_right", "right_at": None, "batch_size": 8})
     result = grpo.train_grpo(model, tokenizer, grpo.prepare(formatted, tokenizer, params, mesh), params, mesh)
     assert result["latest_step"] == 1 and result["prompts"] == result["prompt_filter"]["kept"] == 5
     assert result["history"][0]["reward/sometimes_right"] > 0  # no batch of never-right prompts
@@ -412,5 +425,6 @@ def test_a_filter_that_keeps_too_few_prompts_skips_the_stage(smoke_run, formatte
     result = run_grpo(formatted, formatted, base, sft, ModelParams(**settings["model"]), params,
                       RuntimeParams(**settings["runtime"]), TrackingParams(**settings["tracking"]))
     assert result["skipped"] and not result["enabled"] and result["checkpoint_dir"] == sft["checkpoint_dir"]
-    assert result["skip_reason"].startswith("grpo.prompt_filter: 0 of 12 prompts score differently on 'answer'")
+    assert result["skip_reason"].startswith("grpo.prompt_filter: 0 of 12 prompts are right ('answer' at 1 or more) in "
+                                            "some but not all of their 2 samples (12 never right, 0 always right)")
     assert not (tmp_path / "grpo" / "actor").exists()  # nothing trained

@@ -92,11 +92,14 @@ class RewardParams(Strict):
 
 class PromptFilterParams(Strict):
     """Before GRPO's first step, the starting policy samples each pool prompt `samples` times as the rollouts do, and
-    GRPO trains only on the prompts whose samples score differently on `reward` (some right, some wrong): a group
-    whose samples all score the same has no advantage to learn from (DAPO's dynamic sampling, done once up front)."""
+    GRPO trains only on the prompts it gets right in some samples and not all, by `reward`: a group whose samples
+    are all right or all wrong has no advantage to learn from (DAPO's dynamic sampling, done once up front)."""
 
     samples: int = Field(8, ge=2, description="samples a prompt (more find more prompts the policy solves sometimes)")
     reward: str = Field("answer", description="the name of the grpo.rewards entry that decides")
+    # `answer` gives near misses partial credit: at 1.0 only a right answer counts
+    right_at: float | None = Field(1.0, description="a sample is right at this score or more; null: kept whenever "
+                                                    "the samples' scores differ at all (partial credit included)")
     batch_size: int = Field(32, gt=0, description="rows generated at a time")
 
 

@@ -217,8 +217,8 @@ def _learn(cluster, learner, feed: PromptFeed, start_step: int, max_steps: int, 
 
 def filtered_prompts(model, tokenizer, rows: pd.DataFrame, rewards: RewardSet, params: GrpoParams, mesh, root,
                      decode_weights: str = "sharded") -> tuple[pd.DataFrame, dict]:
-    """(the prompts of `rows` whose samples from `model` score differently on `grpo.prompt_filter.reward`, the
-    screen's summary). Each prompt is sampled `samples` times with the rollouts' settings; the scores are kept in
+    """(the prompts of `rows` that `model` gets right in some of its samples and not all, by
+    `grpo.prompt_filter`'s reward (`screened_groups`), the screen's summary). Each prompt is sampled `samples` times with the rollouts' settings; the scores are kept in
     `root/FILTER_FILE` and read back by a run with the same settings and prompts (a resumed run samples nothing).
     Fewer kept prompts than one batch is `NothingToLearn`."""
     spec = params.prompt_filter
@@ -231,20 +231,31 @@ def filtered_prompts(model, tokenizer, rows: pd.DataFrame, rewards: RewardSet, p
     if not reused:
         scores = _screen(model, tokenizer, rows, rewards, params, mesh, decode_weights)
         checkpoints.save_history(root, {**settings, "scores": dict(zip(keys, scores.tolist()))}, FILTER_FILE)
-    differ = np.ptp(scores, axis=1) > 1e-9
-    summary = {"samples": spec.samples, "reward": spec.reward, "screened": len(rows), "kept": int(differ.sum()),
-               "none_right": int((scores.max(axis=1) <= 0).sum()),
-               "all_right": int((~differ & (scores.min(axis=1) > 0)).sum()),
+    kept, never, always = screened_groups(scores, spec.right_at)
+    summary = {"samples": spec.samples, "reward": spec.reward, "right_at": spec.right_at, "screened": len(rows),
+               "kept": int(kept.sum()), "none_right": int(never.sum()), "all_right": int(always.sum()),
                "reused": reused, "seconds": round(time.perf_counter() - started, 1)}
-    told = (f"{summary['kept']} of {len(rows)} prompts score differently on {spec.reward!r} across their "
-            f"{spec.samples} samples ({summary['none_right']} never right, {summary['all_right']} always right)")
+    rule = (f"score differently on {spec.reward!r} across" if spec.right_at is None else
+            f"are right ({spec.reward!r} at {spec.right_at:g} or more) in some but not all of")
+    told = (f"{summary['kept']} of {len(rows)} prompts {rule} their {spec.samples} samples "
+            f"({summary['none_right']} never right, {summary['all_right']} always right)")
     if summary["kept"] < params.batch_size:
         raise NothingToLearn("grpo", f"grpo.prompt_filter: {told}, and one batch takes grpo.batch_size="
                              f"{params.batch_size}", "screen more prompts (grpo.max_prompts) or sample each more "
                              "often (grpo.prompt_filter.samples), or set grpo.prompt_filter: null")
     log.info("grpo: prompt filter: %s; training on those (%s in %.0f s)", told,
              "scores read back" if reused else "sampled", summary["seconds"])
-    return rows[differ].reset_index(drop=True), summary
+    return rows[kept].reset_index(drop=True), summary
+
+
+def screened_groups(scores: np.ndarray, right_at: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per prompt (a row of `scores`, one per sample): (kept, never right, always right). A sample is right at a score
+    of `right_at` or more; kept: right in some samples and not all. `right_at` None: kept whenever the scores differ
+    at all (partial credit included), right meaning above 0."""
+    right = scores > 0 if right_at is None else scores >= right_at - 1e-9
+    never, always = ~right.any(axis=1), right.all(axis=1)
+    kept = np.ptp(scores, axis=1) > 1e-9 if right_at is None else ~never & ~always
+    return kept, never, always
 
 
 def _screen(model, tokenizer, rows: pd.DataFrame, rewards: RewardSet, params: GrpoParams, mesh,
