@@ -353,9 +353,9 @@ def test_the_prompt_filter_keeps_the_prompts_whose_samples_score_differently(tin
     monkeypatch.setattr(grpo, "_screen", lambda *a, **k: screens.append(1) or sample(*a, **k))
 
     def screened(**settings):
+        screen = {"samples": 4, "reward": "sometimes_right", "right_at": None, "batch_size": 8}
         params = _params(tmp_path, rewards=[{"fn": "tests.test_grpo:sometimes_right"}, {"fn": "answer"}],
-                         **{"prompt_filter": {"samples": 4, "reward": "sometimes_right", "right_at": None, "batch_size": 8},
-                            **settings})
+                         **{"prompt_filter": screen, **settings})
         inputs = grpo.prepare(formatted, tokenizer, params, mesh)
         root = storage_path(params.checkpoint_dir)
         return (*grpo.filtered_prompts(model, tokenizer, inputs.prompts, inputs.rewards, params, mesh, root), root)

@@ -110,7 +110,7 @@ def test_the_prompt_filters_screen_is_in_the_hours():
     seconds = plain["generation_seconds"] * 64 * 8 / 8
     assert screened["prompt_filter"] == {"completions": 512, "seconds": pytest.approx(seconds, rel=1e-12)}
     assert (screened["hours"] - plain["hours"]) * 3600 == pytest.approx(seconds, rel=1e-9)
-    assert "The prompt filter's screen first, 512 completions" in _markdown(plan)
+    assert "The prompt filter's screen first, 512 completions at their whole length" in _markdown(plan)
     # no pool size known (every training prompt, rows not counted): said, not guessed
     unknown = _plan(prompt_filter={"samples": 8})
     assert unknown.polish["grpo"]["selected"]["prompt_filter"] == {"completions": None, "seconds": None}

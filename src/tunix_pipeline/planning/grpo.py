@@ -21,8 +21,9 @@ A step of Tunix's GRPOLearner (our `train/grpo.py`, vanilla rollout, the actor's
    accumulated (train/grpo.py's Tunix micro-batches: the log-probabilities and the gradient; the rollout still
    decodes the whole batch at once).
 3. **the prompt filter** (`grpo.prompt_filter`, once before the first step): the pool's prompts x `samples`
-   completions, timed as the rollouts' generation per completion; the pool is `max_prompts`, at most the
-   training rows where the plan knows them (unknown without either: no time for it).
+   completions, each timed as a rollout's, at its whole `max_completion_length` (rows that end sooner make it less:
+   on this CPU 84 minutes against the 3.2 hours planned; benchmarks/RESULTS.md, section 39); the pool is
+   `max_prompts`, at most the training rows where the plan knows them (unknown without either: no time for it).
 
 The reference (`loop.frozen_copy`) shares the actor's arrays until the actor changes them: a
 whole copy of the weights with full fine-tuning, only the adapters with LoRA.
@@ -132,7 +133,8 @@ def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, sessio
     if grpo.prompt_filter is not None:
         pool = min((n for n in (grpo.max_prompts, plan.job.train_rows) if n), default=None)
         completions = pool and pool * grpo.prompt_filter.samples
-        seconds = completions and (prefill_seconds + decode_seconds) * completions / (grpo.batch_size * grpo.num_generations)
+        per_completion = (prefill_seconds + decode_seconds) / (grpo.batch_size * grpo.num_generations)
+        seconds = completions and completions * per_completion
         out["prompt_filter"] = {"completions": completions, "seconds": seconds}
     _timed(out, prefill_seconds + decode_seconds + logps_seconds + update_seconds + judge_seconds, grpo, row, params)
     return out
@@ -270,7 +272,8 @@ def markdown_section(plan: Plan) -> list[str]:
                   f"completions an hour: {s['hours']:.3g} h with set-up"
                   + (f", within the {s['session_hours']:g} h session" if s["within_session"] and s["session_hours"]
                      else f", **over** the {s['session_hours']:g} h session" if s["session_hours"] else "")
-                  + "." + _filter_sentence(s.get("prompt_filter")), "", decode_line(s["decode_step"]) + f" The update at MFU {s['mfu']:g}, **assumed** "
+                  + "." + _filter_sentence(s.get("prompt_filter")), "",
+                  decode_line(s["decode_step"]) + f" The update at MFU {s['mfu']:g}, **assumed** "
                   f"({hw.mfu_source or 'plan.mfu'}).", ""]
         if s["quoted_estimate"]:
             lines += [f"**GRPO completions an hour on {s['hardware']}:** this plan {s['samples_per_hour']:,.0f} "
@@ -297,8 +300,8 @@ def _filter_sentence(screen: dict | None) -> str:
         return ""
     if screen["seconds"] is None:
         return " The prompt filter's screen is not in it: set grpo.max_prompts (or plan.train_rows) to time it."
-    return (f" The prompt filter's screen first, {screen['completions']:,} completions: {screen['seconds'] / 3600:.2g} h "
-            "of them.")
+    return (f" The prompt filter's screen first, {screen['completions']:,} completions at their whole length: "
+            f"{screen['seconds'] / 3600:.2g} h of them.")
 
 
 def xla_lines(x: dict) -> list[str]:

@@ -217,10 +217,10 @@ def _learn(cluster, learner, feed: PromptFeed, start_step: int, max_steps: int, 
 
 def filtered_prompts(model, tokenizer, rows: pd.DataFrame, rewards: RewardSet, params: GrpoParams, mesh, root,
                      decode_weights: str = "sharded") -> tuple[pd.DataFrame, dict]:
-    """(the prompts of `rows` that `model` gets right in some of its samples and not all, by
-    `grpo.prompt_filter`'s reward (`screened_groups`), the screen's summary). Each prompt is sampled `samples` times with the rollouts' settings; the scores are kept in
-    `root/FILTER_FILE` and read back by a run with the same settings and prompts (a resumed run samples nothing).
-    Fewer kept prompts than one batch is `NothingToLearn`."""
+    """(the prompts of `rows` that `model` gets right in some of its samples and not all, by `grpo.prompt_filter`'s
+    reward (`screened_groups`); the screen's summary). Each prompt is sampled `samples` times with the rollouts'
+    settings; the scores are kept in `root/FILTER_FILE` and read back by a run with the same settings and prompts (a
+    resumed run samples nothing). Fewer kept prompts than one batch is `NothingToLearn`."""
     spec = params.prompt_filter
     started = time.perf_counter()
     settings = {"reward": spec.reward, "samples": spec.samples, "temperature": params.temperature,
