@@ -364,7 +364,7 @@ def test_the_prompt_filter_keeps_the_prompts_whose_samples_score_differently(tin
     assert sorted(rows["answer"], key=int) == ["2", "4", "6", "8", "10"]  # odd: never right; 0: always
     assert {k: v for k, v in summary.items() if k != "seconds"} == {
         "samples": 4, "reward": "sometimes_right", "right_at": None, "screened": 12, "kept": 5, "none_right": 6,
-        "all_right": 6, "reused": False}  # above 0: every sample of the even prompts (the kept among them)
+        "all_right": 6, "reused": False}  # right_at null: right is above 0, as every sample of 0 and the even ones
     saved = json.loads((root / grpo.FILTER_FILE).read_text())
     assert len(saved["scores"]) == 12 and all(len(s) == 4 for s in saved["scores"].values())
     # a resumed run reads the scores back; other settings sample again
