@@ -349,8 +349,8 @@ def test_the_prompt_filter_keeps_the_prompts_whose_samples_score_differently(tin
     mesh = make_mesh(MESH)
     model, _ = load_model(tiny_model_dir, mesh, "float32")
     screens = []  # each time the policy is sampled
-    sample = grpo._screen
-    monkeypatch.setattr(grpo, "_screen", lambda *a, **k: screens.append(1) or sample(*a, **k))
+    sample = grpo._Screen.__call__
+    monkeypatch.setattr(grpo._Screen, "__call__", lambda *a, **k: screens.append(1) or sample(*a, **k))
 
     def screened(**settings):
         screen = {"samples": 4, "reward": "sometimes_right", "right_at": None, "batch_size": 8}
@@ -364,13 +364,33 @@ def test_the_prompt_filter_keeps_the_prompts_whose_samples_score_differently(tin
     assert sorted(rows["answer"], key=int) == ["2", "4", "6", "8", "10"]  # odd: never right; 0: always
     assert {k: v for k, v in summary.items() if k != "seconds"} == {
         "samples": 4, "reward": "sometimes_right", "right_at": None, "screened": 12, "kept": 5, "none_right": 6,
-        "all_right": 6, "reused": False}  # right_at null: right is above 0, as every sample of 0 and the even ones
+        "all_right": 6, "reused": 0}  # right_at null: right is above 0, as every sample of 0 and the even ones
     saved = json.loads((root / grpo.FILTER_FILE).read_text())
     assert len(saved["scores"]) == 12 and all(len(s) == 4 for s in saved["scores"].values())
     # a resumed run reads the scores back; other settings sample again
     again, summary, _ = screened()
-    assert summary["reused"] and again.equals(rows) and len(screens) == 1
-    assert not screened(temperature=0.5)[1]["reused"] and len(screens) == 2
+    assert summary["reused"] == 12 and again.equals(rows) and len(screens) == 1
+    assert screened(temperature=0.5)[1]["reused"] == 0 and len(screens) == 2
+    # a screen killed part-way keeps the parts it finished; the rerun samples the rest, as one run would have
+    monkeypatch.setattr(grpo, "SCREEN_PART_BATCHES", 1)  # parts of 2 prompts (8 rows at a time, 4 samples each)
+    (root / grpo.FILTER_FILE).unlink()
+    whole, scores = screened()[0], json.loads((root / grpo.FILTER_FILE).read_text())["scores"]
+    kills = len(screens) + 2
+
+    def killed(*a, **k):
+        if len(screens) == kills:
+            raise KeyboardInterrupt
+        return screens.append(1) or sample(*a, **k)
+
+    monkeypatch.setattr(grpo._Screen, "__call__", killed)
+    (root / grpo.FILTER_FILE).unlink()
+    with pytest.raises(KeyboardInterrupt):
+        screened()
+    assert len(json.loads((root / grpo.FILTER_FILE).read_text())["scores"]) == 4  # 2 parts of 2 prompts
+    kills, before = None, len(screens)
+    resumed, summary, _ = screened()
+    assert summary["reused"] == 4 and len(screens) - before == 4 and resumed.equals(whole)  # the 4 parts left
+    assert json.loads((root / grpo.FILTER_FILE).read_text())["scores"] == scores
     # too few kept for one batch: nothing to learn (the node skips the stage and says why)
     with pytest.raises(NothingToLearn, match=r"5 of 12 prompts score differently on 'sometimes_right' across their 4 "
                                              r"samples \(6 never right, 6 always right\), and one batch takes "

@@ -108,12 +108,23 @@ def test_the_prompt_filters_screen_is_in_the_hours():
     screened = plan.polish["grpo"]["selected"]
     # 64 prompts x 8 samples, each completion timed as a rollout's (a step generates 2 prompts x 4)
     seconds = plain["generation_seconds"] * 64 * 8 / 8
-    assert screened["prompt_filter"] == {"completions": 512, "seconds": pytest.approx(seconds, rel=1e-12)}
+    assert screened["prompt_filter"] == {"gib": screened["prompt_filter"]["gib"], "completions": 512,
+                                         "seconds": pytest.approx(seconds, rel=1e-12)}
+    # its memory: 4 rows a chip at 32 a batch (1 rollout sequence), each a cache of 128 + 2 x 256 positions, a step's
+    # float32 logits over 256,000 words and the prefill's hidden states; twice the batch, twice those
+    wider = _plan(max_prompts=64, prompt_filter={"samples": 8, "batch_size": 64}).polish["grpo"]["selected"]
+    rows = 18 * 2 * 640 * 256 * 2 + 256_000 * 4 + 128 * 2048 * 4
+    assert (wider["prompt_filter"]["gib"] - screened["prompt_filter"]["gib"]) * GIB == pytest.approx(4 * rows, abs=2e-3 * GIB)
+    huge = _plan(max_prompts=64, prompt_filter={"samples": 8, "batch_size": 16384})
+    assert not huge.polish["grpo"]["selected"]["fits"]
+    assert any("GRPO's prompt filter's screen needs" in w and "lower grpo.prompt_filter.batch_size" in w
+               for w in huge.warnings)
     assert (screened["hours"] - plain["hours"]) * 3600 == pytest.approx(seconds, rel=1e-9)
     assert "The prompt filter's screen first, 512 completions at their whole length" in _markdown(plan)
     # no pool size known (every training prompt, rows not counted): said, not guessed
     unknown = _plan(prompt_filter={"samples": 8})
-    assert unknown.polish["grpo"]["selected"]["prompt_filter"] == {"completions": None, "seconds": None}
+    assert {k: v for k, v in unknown.polish["grpo"]["selected"]["prompt_filter"].items() if k != "gib"} == {
+        "completions": None, "seconds": None}
     assert "set grpo.max_prompts (or plan.train_rows) to time it" in _markdown(unknown)
 
 

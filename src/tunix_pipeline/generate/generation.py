@@ -113,9 +113,11 @@ class Generator:
         cache = prompt_length + 2 * params.max_new_tokens
         self.sampler = make_sampler(model, tokenizer, cache, params.num_samples, gathers_weights(decode_weights, model))
 
-    def __call__(self, prompts: list[str], kept: KeptRows | None = None) -> tuple[list[str], list[int]]:
+    def __call__(self, prompts: list[str], kept: KeptRows | None = None,
+                 seed: int | None = None) -> tuple[list[str], list[int]]:
         """(texts, completion lengths in tokens), `num_samples` consecutive ones per prompt; `kept` (greedy decoding
-        only): the rows an earlier call wrote there are taken, the others generated and written there as each ends."""
+        only): the rows an earlier call wrote there are taken, the others generated and written there as each ends;
+        `seed`: sampling's, in place of the settings' `seed` (a caller that samples its prompts in parts)."""
         p = self.params
         expanded = [prompt for prompt in prompts for _ in range(p.num_samples)]
         sampling = sampling_args(p.temperature, p.top_p, p.top_k)
@@ -145,7 +147,7 @@ class Generator:
         generated = self.sampler.generate_rows(
             [expanded[i] for i in todo], batch_size=p.batch_size, max_prompt_length=self.prompt_length,
             max_generation_steps=p.max_new_tokens, eos_tokens=self.stop, stop_strings=self.stop_strings, refill=refill,
-            seed=p.seed if sampling else None, repeats=p.stop_repeats, progress=progress,
+            seed=(p.seed if seed is None else seed) if sampling else None, repeats=p.stop_repeats, progress=progress,
             on_row=on_row if kept is not None else None, **sampling,
         )
         report.close()

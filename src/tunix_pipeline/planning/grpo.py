@@ -24,6 +24,9 @@ A step of Tunix's GRPOLearner (our `train/grpo.py`, vanilla rollout, the actor's
    completions, each timed as a rollout's, at its whole `max_completion_length` (rows that end sooner make it less:
    on this CPU 84 minutes against the 3.2 hours planned; benchmarks/RESULTS.md, section 39); the pool is
    `max_prompts`, at most the training rows where the plan knows them (unknown without either: no time for it).
+   Memory: the rollouts' decode program with its KV cache and a step's logits resized to the screen's
+   `batch_size` rows and the evaluation sampler's cache (prompt + twice the new tokens: `Generator`), and the
+   prefill's hidden states over its prompts; no optimizer state or reference yet (the trainer is built after it).
 
 The reference (`loop.frozen_copy`) shares the actor's arrays until the actor changes them: a
 whole copy of the weights with full fine-tuning, only the adapters with LoRA.
@@ -91,6 +94,7 @@ def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, sessio
     generation = decode + prefill_hidden + m.optimizer + reference + shared
     if "xla_gib" in upd_x:  # the train step holds the policy and its optimizer; the reference beside it
         update = upd_x["xla_gib"] * GIB + reference + shared
+    screen = _screen_bytes(arch, roll, grpo, seqs) + decode + shared if grpo.prompt_filter is not None else 0.0
 
     mfu = hw.mfu or params.mfu
     # the CPU's decode_roofline_fraction is measured against the estimate's roofline, and XLA:CPU's bytes accessed
@@ -112,7 +116,7 @@ def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, sessio
         "kv_cache_gib": round(kv / GIB, 3),
         "reference_gib": round(reference / GIB, 3),
         "usable_memory_gib": round(row.usable_bytes / GIB, 3),
-        "fits": max(generation, update) <= row.usable_bytes,
+        "fits": max(generation, update, screen) <= row.usable_bytes,
         "decode_step": step_x,
         "mfu": mfu,
         "generation_seconds": None if decode_seconds is None else prefill_seconds + decode_seconds,
@@ -123,6 +127,8 @@ def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, sessio
         "quoted_estimate": hw.quoted_grpo_estimate or None,
         "step_seconds": None, "samples_per_hour": None, "hours": None, "within_session": None, "cost": None,
     }
+    if grpo.prompt_filter is not None:  # its time below, where the plan has the rollouts'
+        out["prompt_filter"] = {"gib": round(screen / GIB, 3), "completions": None, "seconds": None}
     if judges:
         # time-shared scoring: the policy's resident state (weights once, optimizer state, reference) and the call
         scoring = (m.params - m.grads + m.optimizer + reference + judges["shared_peak"]) if judges["shared"] else None
@@ -135,9 +141,20 @@ def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, sessio
         completions = pool and pool * grpo.prompt_filter.samples
         per_completion = (prefill_seconds + decode_seconds) / (grpo.batch_size * grpo.num_generations)
         seconds = completions and completions * per_completion
-        out["prompt_filter"] = {"completions": completions, "seconds": seconds}
+        out["prompt_filter"].update(completions=completions, seconds=seconds)
     _timed(out, prefill_seconds + decode_seconds + logps_seconds + update_seconds + judge_seconds, grpo, row, params)
     return out
+
+
+def _screen_bytes(arch: Architecture, roll: TrainSetup, grpo: GrpoParams, rollout_sequences: int) -> float:
+    """What the prompt filter's screen holds beyond the rollouts' decode program, per device (negative where it holds
+    less): its rows' KV cache and a step's logits in place of the rollouts', and the prefill's hidden states."""
+    spec, prompt, completion = grpo.prompt_filter, grpo.max_prompt_length, grpo.max_completion_length
+    dp = roll.data * roll.fsdp
+    rows = spec.batch_size // dp if spec.batch_size % dp == 0 else spec.batch_size
+    return (kv_cache_bytes(arch, roll, rows, prompt + 2 * completion)
+            - kv_cache_bytes(arch, roll, rollout_sequences, prompt + completion)
+            + (rows - rollout_sequences) * arch.vocab_size * 4 + rows * prompt * arch.hidden_size * 4)
 
 
 def _timed(out: dict, step: float, grpo: GrpoParams, row: Row, params: PlanParams) -> None:
@@ -201,11 +218,16 @@ def add_grpo(plan: Plan, grpo: GrpoParams, params: PlanParams, session_hours: fl
 
 def _over(s: dict, hw: str) -> str:
     """GRPO's larger phase on `hw` (`s`: its row) against the usable memory, and what lowers it."""
-    phase = "generation" if s["generation_gib"] >= s["update_gib"] else "update"
-    fix = ("lower grpo.micro_batch_size (the update a few prompts at a time) or max_completion_length" if phase == "update"
-           else "lower grpo.batch_size, num_generations or max_completion_length")
-    return (f"GRPO's {phase} needs {s[phase + '_gib']:.2f} GiB per device on {hw} ({s[phase + '_from']}; of "
-            f"{s['usable_memory_gib']:.2f} usable): {fix}")
+    phases = {
+        "generation": (s["generation_gib"], s["generation_from"],
+                       "lower grpo.batch_size, num_generations or max_completion_length"),
+        "update": (s["update_gib"], s["update_from"],
+                   "lower grpo.micro_batch_size (the update a few prompts at a time) or max_completion_length"),
+        "prompt filter's screen": ((s.get("prompt_filter") or {}).get("gib", 0.0), s["generation_from"],
+                                   "lower grpo.prompt_filter.batch_size or max_completion_length"),
+    }
+    phase, (gib, source, fix) = max(phases.items(), key=lambda item: item[1][0])  # the first of equals
+    return f"GRPO's {phase} needs {gib:.2f} GiB per device on {hw} ({source}; of {s['usable_memory_gib']:.2f} usable): {fix}"
 
 
 def refusal(plan: Plan) -> str:
@@ -262,6 +284,8 @@ def markdown_section(plan: Plan) -> list[str]:
         f"{s['generation_from']} | {_time(s['generation_seconds'])} s |",
         f"| update (reference {size(s['reference_gib'] * GIB)}) | {size(s['update_gib'] * GIB)} | "
         f"{s['update_from']} | {_time(s['update_seconds'])} s |",
+        *([(f"| the prompt filter's screen, before the first step | {size(s['prompt_filter']['gib'] * GIB)} | "
+            f"{s['generation_from']}, resized | once |")] if s.get("prompt_filter") else []),
         "",
     ]
     if "judge" in s:

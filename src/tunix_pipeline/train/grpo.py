@@ -51,6 +51,7 @@ from tunix_pipeline.upstream.rl import algorithm
 log = logging.getLogger(__name__)
 HISTORY_FILE = "grpo_history.json"
 FILTER_FILE = "prompt_filter.json"  # the screen's scores (`filtered_prompts`), beside the checkpoints
+SCREEN_PART_BATCHES = 8  # `screen_part`
 
 
 class GrpoError(UserError, ValueError):
@@ -219,19 +220,29 @@ def filtered_prompts(model, tokenizer, rows: pd.DataFrame, rewards: RewardSet, p
                      decode_weights: str = "sharded") -> tuple[pd.DataFrame, dict]:
     """(the prompts of `rows` that `model` gets right in some of its samples and not all, by `grpo.prompt_filter`'s
     reward (`screened_groups`); the screen's summary). Each prompt is sampled `samples` times with the rollouts'
-    settings; the scores are kept in `root/FILTER_FILE` and read back by a run with the same settings and prompts (a
-    resumed run samples nothing). Fewer kept prompts than one batch is `NothingToLearn`."""
+    settings, a part of the pool at a time (`screen_part`); the scores are kept in `root/FILTER_FILE` after each part
+    and read back by a run with the same settings, so a resumed run samples only the parts not yet screened. Fewer
+    kept prompts than one batch is `NothingToLearn`."""
     spec = params.prompt_filter
     started = time.perf_counter()
     settings = {"reward": spec.reward, "samples": spec.samples, "temperature": params.temperature,
                 "top_p": params.top_p, "top_k": params.top_k, "max_completion_length": params.max_completion_length}
     keys = [prompt_key(p) for p in rows["prompt"]]
-    scores = _kept_scores(root / FILTER_FILE, settings, keys)
-    reused = scores is not None
-    if not reused:
-        scores = _screen(model, tokenizer, rows, rewards, params, mesh, decode_weights)
-        checkpoints.save_history(root, {**settings, "scores": dict(zip(keys, scores.tolist()))}, FILTER_FILE)
-    kept, never, always = screened_groups(scores, spec.right_at)
+    known = _kept_scores(root / FILTER_FILE, settings)
+    reused = sum(k in known for k in keys)
+    part = screen_part(spec)
+    todo = [start for start in range(0, len(rows), part) if any(k not in known for k in keys[start:start + part])]
+    screen = _Screen(model, tokenizer, rewards, params, mesh, decode_weights) if todo else None
+    for done, start in enumerate(todo, 1):
+        # each part's own seed: a part screened after a restart samples what it would have sampled in one go
+        scores = screen(rows.iloc[start:start + part], seed=params.seed + start)
+        known.update(zip(keys[start:start + part], scores.tolist()))
+        checkpoints.save_history(root, {**settings, "scores": known}, FILTER_FILE)
+        screened = sum(k in known for k in keys)
+        left = (time.perf_counter() - started) / done * (len(todo) - done)
+        log.info("grpo: prompt filter: %d of %d prompts screened (%d samples each), ~%.0f min left",
+                 screened, len(rows), spec.samples, left / 60)
+    kept, never, always = screened_groups(np.array([known[k] for k in keys], np.float64), spec.right_at)
     summary = {"samples": spec.samples, "reward": spec.reward, "right_at": spec.right_at, "screened": len(rows),
                "kept": int(kept.sum()), "none_right": int(never.sum()), "all_right": int(always.sum()),
                "reused": reused, "seconds": round(time.perf_counter() - started, 1)}
@@ -243,9 +254,15 @@ def filtered_prompts(model, tokenizer, rows: pd.DataFrame, rewards: RewardSet, p
         raise NothingToLearn("grpo", f"grpo.prompt_filter: {told}, and one batch takes grpo.batch_size="
                              f"{params.batch_size}", "screen more prompts (grpo.max_prompts) or sample each more "
                              "often (grpo.prompt_filter.samples), or set grpo.prompt_filter: null")
-    log.info("grpo: prompt filter: %s; training on those (%s in %.0f s)", told,
-             "scores read back" if reused else "sampled", summary["seconds"])
+    log.info("grpo: prompt filter: %s; training on those (%d of them read back, %.0f s)", told, reused,
+             summary["seconds"])
     return rows[kept].reset_index(drop=True), summary
+
+
+def screen_part(spec) -> int:
+    """Prompts screened between two saves of the scores: eight of the screen's batches of samples (a kill loses at
+    most those; fewer would leave more of each part's last batch idle, as its longest rows finish)."""
+    return max(1, SCREEN_PART_BATCHES * spec.batch_size // spec.samples)
 
 
 def screened_groups(scores: np.ndarray, right_at: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -258,35 +275,44 @@ def screened_groups(scores: np.ndarray, right_at: float | None) -> tuple[np.ndar
     return kept, never, always
 
 
-def _screen(model, tokenizer, rows: pd.DataFrame, rewards: RewardSet, params: GrpoParams, mesh,
-            decode_weights: str) -> np.ndarray:
-    """(prompts, samples) scores of `model`'s samples on the filter's reward, sampled as the rollouts sample."""
-    spec = params.prompt_filter
-    sampling = EvaluateParams(num_prompts=len(rows), max_new_tokens=params.max_completion_length,
-                              batch_size=spec.batch_size, num_samples=spec.samples, stop_repeats=None,
-                              seed=params.seed, compare_base_model=False,
-                              **sampling_args(params.temperature, params.top_p, params.top_k))
-    generator = Generator(model, tokenizer, sampling, params.max_prompt_length, decode_weights, stop_strings=())
-    with mesh:
-        texts, _ = generator(rows["prompt"].tolist())
-    repeated = {key: np.repeat(rows[column].astype(str).to_numpy(), spec.samples)
-                for key, column in REWARD_COLUMNS.items() if column in rows}
-    prompts = np.repeat(rows["prompt"].to_numpy(), spec.samples)
-    scores = rewards.score_one(rewards.names.index(spec.reward), prompts, texts, **repeated)
-    return scores.reshape(len(rows), spec.samples)
+class _Screen:
+    """(prompts, samples) scores of `model`'s samples on the filter's reward, sampled as the rollouts sample; one
+    sampler for every part of the pool."""
+
+    def __init__(self, model, tokenizer, rewards: RewardSet, params: GrpoParams, mesh, decode_weights: str):
+        spec = params.prompt_filter
+        sampling = EvaluateParams(max_new_tokens=params.max_completion_length, batch_size=spec.batch_size,
+                                  num_samples=spec.samples, stop_repeats=None, seed=params.seed,
+                                  compare_base_model=False, **sampling_args(params.temperature, params.top_p,
+                                                                            params.top_k))
+        self.generator = Generator(model, tokenizer, sampling, params.max_prompt_length, decode_weights,
+                                   stop_strings=())
+        self.rewards, self.spec, self.mesh = rewards, spec, mesh
+
+    def __call__(self, rows: pd.DataFrame, seed: int) -> np.ndarray:
+        samples = self.spec.samples
+        with self.mesh:
+            texts, _ = self.generator(rows["prompt"].tolist(), seed=seed)
+        repeated = {key: np.repeat(rows[column].astype(str).to_numpy(), samples)
+                    for key, column in REWARD_COLUMNS.items() if column in rows}
+        prompts = np.repeat(rows["prompt"].to_numpy(), samples)
+        scores = self.rewards.score_one(self.rewards.names.index(self.spec.reward), prompts, texts, **repeated)
+        return scores.reshape(len(rows), samples)
 
 
-def _kept_scores(path, settings: dict, keys: list[str]) -> np.ndarray | None:
-    """The scores an earlier screen with `settings` kept for each of `keys`, or None (none kept, other settings or
-    prompts, a file that cannot be read)."""
+def _kept_scores(path, settings: dict) -> dict[str, list[float]]:
+    """The scores an earlier screen with `settings` kept, by prompt digest: {} where there are none (no file, other
+    settings, a file that cannot be read); a prompt whose scores are not `samples` numbers is screened again."""
     try:
         kept = json.loads(path.read_text())
         if {k: kept.get(k) for k in settings} != settings:
-            return None
-        scores = np.array([kept["scores"][k] for k in keys], dtype=np.float64)
+            return {}
+        scores = kept["scores"].items()
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return scores if scores.shape == (len(keys), settings["samples"]) else None
+        return {}
+    n = settings["samples"]
+    return {k: v for k, v in scores if isinstance(v, list) and len(v) == n
+            and all(isinstance(x, int | float) and not isinstance(x, bool) for x in v)}
 
 
 def training_prompts(train_formatted: pd.DataFrame, tokenizer, params: GrpoParams, mesh) -> tuple[pd.DataFrame, int]:
