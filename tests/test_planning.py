@@ -347,8 +347,10 @@ def test_sft_stops_before_reading_weights_when_the_run_cannot_fit(project, monke
         (project / "data" / folder).mkdir(parents=True, exist_ok=True)
         rows.to_parquet(project / "data" / folder / f"{name}.parquet")
     (project / "data" / "03_primary").mkdir(parents=True, exist_ok=True)
-    pd.DataFrame([{"id": "a", "source": "s", "prompt": "1 + 1?", "completion": "2", "answer": "2", "open_ended": False,
-                   "split": "eval"}]).to_parquet(project / "data" / "03_primary" / "eval_formatted.parquet")
+    formatted = pd.DataFrame([{"id": "a", "source": "s", "prompt": "1 + 1?", "completion": "2", "answer": "2",
+                               "open_ended": False, "split": "eval"}])
+    for name in ("eval_formatted", "eval_few_shot"):
+        formatted.to_parquet(project / "data" / "03_primary" / f"{name}.parquet")
     (project / "data" / "02_intermediate").mkdir(parents=True, exist_ok=True)
     (project / "data" / "02_intermediate" / "base_model.json").write_text(json.dumps({"path": "data/06_models/base_model"}))
     with _session(project) as session, pytest.raises(DoesNotFit) as err:

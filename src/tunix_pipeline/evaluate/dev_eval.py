@@ -41,6 +41,17 @@ def dev_rows(eval_formatted: pd.DataFrame) -> pd.DataFrame:
     return eval_formatted[split.isna() | (split == "dev")].reset_index(drop=True)
 
 
+def generation_params(settings: DevEvalParams) -> EvaluateParams:
+    """The dev evaluation's generation: greedy, as `evaluate` scores, on the first `settings.prompts` dev rows."""
+    return EvaluateParams(num_prompts=settings.prompts, max_new_tokens=settings.max_new_tokens,
+                          batch_size=settings.batch_size, compare_base_model=False)
+
+
+def prompt_length(settings: DevEvalParams, tokenizer, eval_formatted: pd.DataFrame) -> int:
+    """The prompt length the dev evaluation's sampler is sized for (0 without dev rows)."""
+    return select_prompts(dev_rows(eval_formatted), tokenizer, generation_params(settings))[2]
+
+
 class KeepStep:
     """An Orbax preservation policy keeping one checkpoint, the best so far; it moves as the curve grows."""
 
@@ -64,8 +75,7 @@ class DevEval:
     def __init__(self, settings: DevEvalParams, tokenizer, eval_formatted: pd.DataFrame | None, stage: str,
                  decode_weights: str = "sharded"):
         self.settings, self.stage, self.tokenizer, self.decode_weights = settings, stage, tokenizer, decode_weights
-        self.params = EvaluateParams(num_prompts=settings.prompts, max_new_tokens=settings.max_new_tokens,
-                                     batch_size=settings.batch_size, compare_base_model=False)
+        self.params = generation_params(settings)
         rows = dev_rows(eval_formatted) if eval_formatted is not None else pd.DataFrame()
         self.rows, _, self.prompt_length = select_prompts(rows, tokenizer, self.params)
         if not len(self.rows):

@@ -319,6 +319,13 @@ def markdown_table(metrics: dict[str, dict], delta: tuple[str, str] | None = Non
 
 
 # ---------------------------------------------------------------- the evaluator
+def prompt_length(tokenizer, eval_formatted: pd.DataFrame, eval_few_shot: pd.DataFrame, params: EvaluateParams) -> int:
+    """The longest prompt length an evaluation's sampler is sized for: the scored prompts' and, with
+    `evaluate.few_shot`, the k-shot ones' (0 with nothing to score)."""
+    shots = eval_few_shot if params.few_shot and eval_few_shot is not None and len(eval_few_shot) else None
+    return max(select_prompts(rows, tokenizer, params)[2] for rows in (eval_formatted, shots) if rows is not None)
+
+
 class Evaluator:
     """Loss on the eval rows (`loss_rows` of them) and generation on the held-out prompts, for one model whose weights
     change; `judge` (a `judge.Judge`, or None) scores the generations; `decode_weights`: `runtime.decode_weights`."""

@@ -80,6 +80,7 @@ class Plan:
     polish: dict[str, dict] = dataclasses.field(default_factory=dict)
     goodput: dict = dataclasses.field(default_factory=dict)  # useful tokens, examples, epochs (planning.goodput)
     disk: dict | None = None  # bytes of every output against the profile's volumes (planning.disk; add_disk)
+    scoring: dict | None = None  # the evaluation's and the dev evaluation's memory (planning.scoring; add_scoring)
 
     def summary(self) -> dict:
         s = self.selected
@@ -143,6 +144,8 @@ class Plan:
             out["stages"] = self.stages()
         if self.disk:
             out["disk"] = disk_summary(self.disk)
+        if self.scoring:
+            out["scoring"] = self.scoring
         return out
 
     def stages(self) -> dict:

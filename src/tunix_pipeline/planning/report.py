@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tunix_pipeline.planning import scoring
 from tunix_pipeline.planning.goodput import hours_text as _hours
 from tunix_pipeline.planning.goodput import markdown_lines as goodput_lines
 from tunix_pipeline.planning.memory import GIB
@@ -114,6 +115,7 @@ def markdown(plan: Plan) -> str:
         lines += stages_line(plan) + [""]
     if plan.disk:
         lines += disk_section(plan.disk) + [""]
+    lines += scoring.markdown_lines(plan)
     lines += [
         "## Every hardware profile",
         "",

@@ -5,6 +5,7 @@ import mlflow
 import pandas as pd
 
 from tunix_pipeline.config import (
+    EvaluateParams,
     ExportParams,
     GrpoParams,
     ModelParams,
@@ -17,6 +18,7 @@ from tunix_pipeline.config import (
 )
 from tunix_pipeline.core.paths import storage_path
 from tunix_pipeline.core.runtime import make_mesh
+from tunix_pipeline.evaluate import dev_eval, evaluation
 from tunix_pipeline.evaluate.dev_eval import DevEval, log_curve
 from tunix_pipeline.models import load_run_model, load_tokenizer, parameter_counts
 from tunix_pipeline.planning import (
@@ -30,6 +32,8 @@ from tunix_pipeline.planning import (
 )
 from tunix_pipeline.planning.disk import add_disk, disk_sessions, plan_disk
 from tunix_pipeline.planning.grpo import refusal as grpo_refusal
+from tunix_pipeline.planning.scoring import add_scoring
+from tunix_pipeline.planning.scoring import refusal as scoring_refusal
 from tunix_pipeline.stages import GRPO, PREFERENCE, SFT, StageResult
 from tunix_pipeline.tracking.mlflow_runs import mlflow_name, remember_run
 from tunix_pipeline.tracking.step_metrics import MlflowBackend, metrics_backends
@@ -90,9 +94,12 @@ def check_sft_fits(
     grpo: GrpoParams = None,
     export: ExportParams = None,
     tracking: TrackingParams = None,
+    eval_formatted: pd.DataFrame = None,
+    eval_few_shot: pd.DataFrame = None,
+    evaluate: EvaluateParams = None,
 ) -> tuple[dict, dict]:
-    """The sft preflight: stops a run that cannot fit (memory, or this session's outputs on the profile's disk)
-    before any weights are read, warns when it is risky.
+    """The sft preflight: stops a run that cannot fit (memory: SFT's step, GRPO's phases, the scoring's generation;
+    or this session's outputs on the profile's disk) before any weights are read, warns when it is risky.
 
     Passes `base_model` through, so the training node runs after it.
     """
@@ -116,6 +123,17 @@ def check_sft_fits(
         result = stage_planning(GRPO).add_stage(result, PlannedStage(grpo), model, plan, runtime)
         if not result.polish[GRPO.name]["selected"]["fits"]:
             raise DoesNotFit(grpo_refusal(result))
+    if evaluate is not None and eval_formatted is not None:  # the prompts' lengths size the samplers' caches
+        tokenizer = load_tokenizer(base_model["path"])
+        result = add_scoring(
+            result, evaluate, evaluation.prompt_length(tokenizer, eval_formatted, eval_few_shot, evaluate),
+            sft.dev_eval, sft.dev_eval and dev_eval.prompt_length(sft.dev_eval, tokenizer, eval_formatted))
+        if refused := scoring_refusal(result):
+            raise DoesNotFit(refused)
+        if result.scoring:
+            log.info("plan: scoring: %s", "; ".join(
+                f"the {name} {p['gib']:.2f} GiB per device ({p['rows']} rows x {p['cache_positions']} cache positions)"
+                for name, p in result.scoring.items()))
     for warning in result.warnings:  # the precision warning among them: updates that round away
         log.warning("plan: %s", warning)
     shares = (result.job.precision or {}).get("share_changed")

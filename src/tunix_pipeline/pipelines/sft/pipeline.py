@@ -15,7 +15,7 @@ def create_pipeline(**kwargs) -> Pipeline:
                 inputs=[
                     "base_model", "train_tokens", "tokenize_report", "params:model", "params:sft", "params:runtime",
                     "params:tokenize", "params:plan", "params:preference", "params:grpo", "params:export",
-                    "params:tracking",
+                    "params:tracking", "eval_formatted", "eval_few_shot", "params:evaluate",
                 ],
                 outputs=["planned_base_model", "sft_plan"],
                 name="check_sft_fits",
