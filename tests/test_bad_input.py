@@ -492,3 +492,23 @@ def test_run_command_turns_user_errors_into_messages_and_keeps_bugs(project):
     (project / "conf" / "local" / "parameters.yml").unlink()
     result = CliRunner().invoke(run, ["--pipelines=ingest", "--runner=NoSuchRunner"])
     assert isinstance(result.exception, AttributeError)  # not a user error: Kedro's CLI shows its traceback
+
+
+def test_ctrl_c_outside_trainings_own_stop_is_one_line_naming_the_command(project, monkeypatch):
+    """Ctrl-C in a node without a stop of its own (here: ingest; an evaluation or GRPO's screen alike) ends the run
+    with one line naming the command that takes up what was saved, the shell's status for SIGINT, no traceback."""
+    from click.testing import CliRunner
+
+    from tunix_pipeline.cli import run
+    from tunix_pipeline.pipelines.ingest import nodes
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    bootstrap_project(project)
+    monkeypatch.setattr(nodes, "ingest", interrupted)  # the user's Ctrl-C, mid-node
+    monkeypatch.setattr(sys, "argv", ["run", "--pipelines=ingest"])  # as typed (`kedro_command` reads it)
+    result = CliRunner().invoke(run, ["--pipelines=ingest"])
+    assert result.exit_code == 130 and "Traceback" not in result.output
+    assert result.output.strip().endswith("is taken up by the same command: run --pipelines=ingest")
+    assert result.output.count("Ctrl-C: stopped.") == 1

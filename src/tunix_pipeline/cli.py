@@ -6,11 +6,13 @@ message and exits 1; its text already says what, where and how to fix it, so a s
 traceback would only hide it. A full disk or quota, in any stage and whichever library wrote, is a user error
 too (`disk_full.DiskFullError`: the folder, the bytes needed and free, the setting to change). A run a signal
 stopped after saving (`TrainingInterrupted`: SIGTERM, Ctrl-C) prints one line naming the signal, the step, the
-folder and the command that resumes, and exits 128 + the signal's number. Any other exception is a bug and keeps
+folder and the command that resumes, and exits 128 + the signal's number; a Ctrl-C anywhere else (an evaluation,
+GRPO's screen) prints one line naming the command that takes up what was saved. Any other exception is a bug and keeps
 its traceback; `kedro run --verbose` (or TUNIX_PIPELINE_TRACEBACK=1) shows one for every error.
 """
 
 import os
+import signal
 import sys
 
 import click
@@ -44,6 +46,10 @@ def _run(verbose: bool = False, **kwargs):
     except TrainingInterrupted as err:
         click.echo(err.message(kedro_command({})), err=True)
         sys.exit(err.exit_status)
+    except KeyboardInterrupt:  # outside training's own stop (an evaluation, GRPO's screen), or a second Ctrl-C
+        click.echo(f"Ctrl-C: stopped. What was saved as it went (checkpoints, evaluation rows, GRPO's screened prompts) "
+                   f"is taken up by the same command: {kedro_command({})}", err=True)
+        sys.exit(128 + signal.SIGINT)
     except Exception as err:
         if disk_full_cause(err) is None:
             raise
