@@ -85,3 +85,19 @@ def test_the_sft_preflight_sizes_scoring_from_the_prompts_it_will_score(tiny_mod
     assert preflight(few_shot=3)[1]["scoring"]["evaluation"]["cache_positions"] == few_shot + 64
     with pytest.raises(DoesNotFit, match=r"^the evaluation needs .* per device on host .*: lower evaluate.batch_size"):
         preflight(batch_size=8 * 200_000)
+
+
+def test_the_evaluation_computes_in_the_models_dtype_the_dev_evaluation_in_sfts():
+    """bf16 compute over float32 weights (`sft.compute_dtype`): the dev evaluation samples from the training model (a
+    bf16 cache), the evaluation from the model loaded in float32 (a float32 cache, no bf16 copy of the weights)."""
+    sft = SFT.model_copy(update={"compute_dtype": "bfloat16"})
+    plan = build_plan(GEMMA_2B.model_copy(update={"dtype": "float32"}), sft, RuntimeParams(),
+                      TokenizeParams(max_length=512), PLAN)
+    add_scoring(plan, EvaluateParams(batch_size=64, max_new_tokens=256), 512,
+                DevEvalParams(every=10, batch_size=64, max_new_tokens=256), 512)
+    m, cache = plan.selected.memory, 18 * 2 * 8 * 1024 * 256  # 8 rows a chip, 1,024 positions
+    rest = 8 * (256_000 + 512 * 2048) * 4
+    weights = m.params - m.grads - plan.job.arch.params / 8 * 2  # less the weights' bf16 copy (sharded over 8)
+    assert plan.scoring["evaluation"]["gib"] == pytest.approx((weights + cache * 4 + rest) / GIB, abs=2e-3)
+    assert plan.scoring["dev evaluation"]["gib"] == pytest.approx((m.params + m.optimizer + cache * 2 + rest) / GIB,
+                                                                  abs=2e-3)

@@ -4,7 +4,8 @@ per device, so that the sft preflight stops a run whose scoring cannot fit befor
 Our `Generator` (continuous batching over `upstream.Sampler`) holds, per device: the policy once, as scoring loads
 it; a KV cache of `batch_size` rows (split over the data-parallel devices where they divide) x (the prompt length +
 twice `max_new_tokens`: the rows share one write index); a step's float32 logits over the vocabulary; the prefill's
-float32 hidden states over the prompt. The prompt length is the longest prompt scored rounded up to a power of two,
+float32 hidden states over the prompt. The evaluation loads the model unquantized in `model.dtype` and computes in
+it; the dev evaluation samples from the model as it trains (in `sft.compute_dtype`). The prompt length is the longest prompt scored rounded up to a power of two,
 or `evaluate.max_prompt_length` (`generation.select_prompts`): a few-shot prompt's is the longest. SFT's dev
 evaluation runs between steps beside the trainer's state (the weights as trained and the optimizer's), not beside a
 step's activations.
@@ -15,7 +16,7 @@ from __future__ import annotations
 from tunix_pipeline.config import DevEvalParams, EvaluateParams
 from tunix_pipeline.models.architecture import Architecture
 from tunix_pipeline.planning.decode import kv_cache_bytes
-from tunix_pipeline.planning.memory import GIB, TrainSetup
+from tunix_pipeline.planning.memory import GIB, TrainSetup, estimate_memory
 from tunix_pipeline.planning.plan import Plan, size
 
 FIX = {"evaluation": "lower evaluate.batch_size or evaluate.max_new_tokens, or set evaluate.max_prompt_length",
@@ -38,8 +39,10 @@ def add_scoring(plan: Plan, evaluate: EvaluateParams, prompt_length: int | None,
     m = row.memory
     phases = {}
     if prompt_length:
-        phases["evaluation"] = (m.params - m.grads + generation_bytes(
-            arch, row.setup, evaluate.batch_size, prompt_length, evaluate.max_new_tokens), evaluate.batch_size,
+        loaded = row.setup.replace(compute_dtype=None, mode="lora" if row.setup.mode == "qlora" else row.setup.mode)
+        weights = estimate_memory(arch, loaded)
+        phases["evaluation"] = (weights.params - weights.grads + generation_bytes(
+            arch, loaded, evaluate.batch_size, prompt_length, evaluate.max_new_tokens), evaluate.batch_size,
             prompt_length + 2 * evaluate.max_new_tokens)
     if dev_eval is not None and dev_prompt_length and plan.job.max_steps:
         phases["dev evaluation"] = (m.params + m.optimizer + generation_bytes(
