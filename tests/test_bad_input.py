@@ -506,9 +506,17 @@ def test_ctrl_c_outside_trainings_own_stop_is_one_line_naming_the_command(projec
         raise KeyboardInterrupt
 
     bootstrap_project(project)
+    tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
     monkeypatch.setattr(nodes, "ingest", interrupted)  # the user's Ctrl-C, mid-node
     monkeypatch.setattr(sys, "argv", ["run", "--pipelines=ingest"])  # as typed (`kedro_command` reads it)
     result = CliRunner().invoke(run, ["--pipelines=ingest"])
     assert result.exit_code == 130 and "Traceback" not in result.output
     assert result.output.strip().endswith("is taken up by the same command: run --pipelines=ingest")
     assert result.output.count("Ctrl-C: stopped.") == 1
+    # what the hooks close on an error is closed: the MLflow run ended KILLED, the output root's lock released
+    # (and the tracking URI the run set is the caller's again: a later run, or its subprocesses, log where they should)
+    assert mlflow.active_run() is None and not (project / "data" / ".run.lock").exists()
+    assert os.environ.get("MLFLOW_TRACKING_URI") == tracking_uri
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'data' / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [r.info.status for r in runs] == ["KILLED"]

@@ -176,7 +176,7 @@ def test_a_run_that_starts_part_way_needs_what_earlier_stages_wrote(project):
     errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "Traceback" not in output, output[-3000:]
     # the tokenize report is optional (the preflight reads it when it is there): not named
-    assert errors[0].startswith("Error: this run reads base_model, eval_formatted, eval_tokens, train_tokens, which no "
+    assert errors[0].startswith("Error: this run reads base_model, eval_few_shot, eval_formatted, eval_tokens, train_tokens, which no "
                                 "earlier run wrote (")
     assert "run `kedro run --pipelines=base_model,format,tokenize` first, or the whole DAG" in errors[0]
     assert "Running node" not in output

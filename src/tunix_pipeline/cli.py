@@ -47,6 +47,8 @@ def _run(verbose: bool = False, **kwargs):
         click.echo(err.message(kedro_command({})), err=True)
         sys.exit(err.exit_status)
     except KeyboardInterrupt:  # outside training's own stop (an evaluation, GRPO's screen), or a second Ctrl-C
+        for hook in settings.HOOKS:  # what Kedro does for an exception and not for an interrupt: the run ends KILLED
+            getattr(hook, "interrupted", lambda: None)()
         click.echo(f"Ctrl-C: stopped. What was saved as it went (checkpoints, evaluation rows, GRPO's screened prompts) "
                    f"is taken up by the same command: {kedro_command({})}", err=True)
         sys.exit(128 + signal.SIGINT)

@@ -111,6 +111,10 @@ class OutputRootHooks:
     def on_pipeline_error(self) -> None:
         self._release()
 
+    def interrupted(self) -> None:
+        """A run ended by Ctrl-C outside training's own stop (Kedro hands its hooks exceptions, not interrupts)."""
+        self._release()
+
     def _release(self) -> None:
         if self._lock is not None:
             self._lock.release()
@@ -306,6 +310,10 @@ class TrackingHooks:
             self._finish("KILLED", mlflow_runs.stop_tags(error.signal_name, error.step, error.checkpoint_dir))
         else:
             self._finish("FAILED")
+
+    def interrupted(self) -> None:
+        """A run ended by Ctrl-C outside training's own stop: its MLflow run ends KILLED, not left active."""
+        self._finish("KILLED")
 
     def _finish(self, status: str, tags: dict | None = None) -> None:
         mlflow_runs = _mlflow_runs()
