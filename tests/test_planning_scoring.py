@@ -51,7 +51,7 @@ def test_a_scoring_that_cannot_fit_is_over_and_says_what_to_lower():
     assert refusal(plan).endswith("lower evaluate.batch_size or evaluate.max_new_tokens, or set "
                                   "evaluate.max_prompt_length; stopped before SFT, nothing trained")
     dev = add_scoring(_plan(), EvaluateParams(), 512, DevEvalParams(every=5, batch_size=8 * 512), 2048)
-    assert dev.scoring["evaluation"]["fits"] and "lower the stage's dev_eval.batch_size" in refusal(dev)
+    assert dev.scoring["evaluation"]["fits"] and "lower sft.dev_eval.batch_size" in refusal(dev)
 
 
 def test_the_sft_preflight_sizes_scoring_from_the_prompts_it_will_score(tiny_model_dir, tokenizer):

@@ -5,10 +5,10 @@ Our `Generator` (continuous batching over `upstream.Sampler`) holds, per device:
 it; a KV cache of `batch_size` rows (split over the data-parallel devices where they divide) x (the prompt length +
 twice `max_new_tokens`: the rows share one write index); a step's float32 logits over the vocabulary; the prefill's
 float32 hidden states over the prompt. The evaluation loads the model unquantized in `model.dtype` and computes in
-it; the dev evaluation samples from the model as it trains (in `sft.compute_dtype`). The prompt length is the longest prompt scored rounded up to a power of two,
-or `evaluate.max_prompt_length` (`generation.select_prompts`): a few-shot prompt's is the longest. SFT's dev
-evaluation runs between steps beside the trainer's state (the weights as trained and the optimizer's), not beside a
-step's activations.
+it; the dev evaluation samples from the model as it trains (in `sft.compute_dtype`). The prompt length is the
+longest prompt scored rounded up to a power of two, or `evaluate.max_prompt_length` (`generation.select_prompts`): a
+few-shot prompt's is the longest. SFT's dev evaluation runs between steps beside the trainer's state (the weights as
+trained and the optimizer's), not beside a step's activations.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tunix_pipeline.planning.memory import GIB, TrainSetup, estimate_memory
 from tunix_pipeline.planning.plan import Plan, size
 
 FIX = {"evaluation": "lower evaluate.batch_size or evaluate.max_new_tokens, or set evaluate.max_prompt_length",
-       "dev evaluation": "lower the stage's dev_eval.batch_size or dev_eval.max_new_tokens"}
+       "dev evaluation": "lower sft.dev_eval.batch_size or sft.dev_eval.max_new_tokens"}
 
 
 def generation_bytes(arch: Architecture, setup: TrainSetup, rows: int, prompt_length: int, max_new_tokens: int) -> float:
