@@ -47,6 +47,7 @@ from tunix_pipeline.planning.grpo_shapes import decode_program_bytes, rollout_se
 from tunix_pipeline.planning.memory import GIB, TrainSetup, estimate_memory, reference_bytes
 from tunix_pipeline.planning.plan import Plan, Row, size
 from tunix_pipeline.planning.polish import PlannedStage
+from tunix_pipeline.planning.scoring import generation_bytes
 from tunix_pipeline.stages import GRPO
 
 
@@ -148,13 +149,12 @@ def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, sessio
 
 def _screen_bytes(arch: Architecture, roll: TrainSetup, grpo: GrpoParams, rollout_sequences: int) -> float:
     """What the prompt filter's screen holds beyond the rollouts' decode program, per device (negative where it holds
-    less): its rows' KV cache and a step's logits in place of the rollouts', and the prefill's hidden states."""
-    spec, prompt, completion = grpo.prompt_filter, grpo.max_prompt_length, grpo.max_completion_length
-    dp = roll.data * roll.fsdp
-    rows = spec.batch_size // dp if spec.batch_size % dp == 0 else spec.batch_size
-    return (kv_cache_bytes(arch, roll, rows, prompt + 2 * completion)
+    less): the evaluation sampler's generation at its rows (`scoring.generation_bytes`) in place of the rollouts'
+    cache and a step's logits."""
+    prompt, completion = grpo.max_prompt_length, grpo.max_completion_length
+    return (generation_bytes(arch, roll, grpo.prompt_filter.batch_size, prompt, completion)
             - kv_cache_bytes(arch, roll, rollout_sequences, prompt + completion)
-            + (rows - rollout_sequences) * arch.vocab_size * 4 + rows * prompt * arch.hidden_size * 4)
+            - rollout_sequences * arch.vocab_size * 4)
 
 
 def _timed(out: dict, step: float, grpo: GrpoParams, row: Row, params: PlanParams) -> None:
