@@ -120,6 +120,51 @@ def test_a_program_compiled_before_is_read_back_with_its_figures(tmp_path):
         compiled_figures._IN_PROCESS.clear()
 
 
+def test_a_shipped_programs_figures_are_read_when_nothing_else_keeps_them(tmp_path, monkeypatch):
+    # the shipped recipes' XLA:TPU programs come with their figures: read last, under the same key
+    import jax
+
+    from tunix_pipeline.planning import compiled_figures
+
+    kept = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "cache"))
+    compiled_figures._IN_PROCESS.clear()
+    try:
+        setup = TINY_SETUP.replace(per_device_batch=5)
+        first = xla.compile_step(TINY, setup)
+        [entry] = (tmp_path / "cache" / "xla-figures").glob("*.json")
+        shipped = tmp_path / "shipped.json"
+        shipped.write_text(json.dumps({"versions": compiled_figures.versions(),
+                                       "figures": {entry.stem: json.loads(entry.read_text())}}))
+        monkeypatch.setattr(compiled_figures, "SHIPPED", shipped)
+        compiled_figures.shipped.cache_clear()
+        entry.unlink()
+        compiled_figures._IN_PROCESS.clear()  # a fresh machine: nothing compiled, the shipped file only
+        again = xla.compile_step(TINY, setup)
+        assert again["compiled_before"] and again["peak"] == first["peak"] and again["flops"] == first["flops"]
+        # another program is not in it: compiled
+        assert "compiled_before" not in xla.compile_step(TINY, setup.replace(per_device_batch=6))
+    finally:
+        jax.config.update("jax_compilation_cache_dir", kept)
+        compiled_figures._IN_PROCESS.clear()
+        compiled_figures.shipped.cache_clear()
+
+
+@pytest.mark.slow  # a `kedro run --pipelines=plan` of its own
+def test_shipping_plans_the_recipes_afresh_and_keeps_only_tpu_programs(tmp_path, monkeypatch):
+    from tunix_pipeline.planning import compiled_figures
+
+    monkeypatch.setattr(compiled_figures, "SHIPPED", tmp_path / "shipped.json")
+    compiled_figures.shipped.cache_clear()
+    kept = {"a" * 64: {"platform": "tpu", "peak": 1}}
+    try:
+        out = compiled_figures.ship(["gpu_smoke"], ROOT, keep=kept)  # its plan compiles XLA:CPU's step only
+        assert out == {"versions": compiled_figures.versions(), "figures": kept}
+        assert compiled_figures.shipped() == out  # the file as written is read back
+    finally:
+        compiled_figures.shipped.cache_clear()
+
+
 def test_without_a_compilation_cache_the_figures_are_kept_in_the_temporary_folder(tmp_path, monkeypatch):
     # `kedro run` after `kedro run --pipelines=plan` reads back what the plan compiled, JAX's cache set or not
     import jax

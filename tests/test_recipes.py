@@ -18,7 +18,7 @@ from kedro.framework.session import KedroSession
 from kedro.framework.startup import bootstrap_project
 
 from tunix_pipeline.config import RuntimeParams, SftParams, TrackingParams
-from tunix_pipeline.planning import PlanError, build_plan, estimate_memory, resolve
+from tunix_pipeline.planning import PlanError, build_plan, compiled_figures, estimate_memory, resolve
 from tunix_pipeline.planning.memory import GIB
 
 from .conftest import ROOT, copy_project
@@ -260,6 +260,11 @@ def test_the_tpu_recipes_compile_for_their_topology_and_fit(plans, env):
     assert f"compiled by XLA:TPU for {TPU_RECIPES[env]}" in report and "is **assumed**" in report
     print(f"{env}: XLA:TPU {xla['xla_gib']:.2f} GiB per chip, estimate {xla['difference']:+.1%} ({xla['method']})")
     assert abs(xla["difference"]) < 0.10, xla
+    # under the compilers the figures were shipped for, the recipe's programs are the shipped ones: a change to what
+    # they compile ships their figures again (another JAX or libtpu compiles them, as a changed recipe does)
+    if compiled_figures.shipped()["versions"] == compiled_figures.versions():
+        assert "read back" in xla["method"], (
+            f"{env}'s XLA:TPU programs are not the shipped ones: `python -m tunix_pipeline.planning.compiled_figures`")
 
 
 @pytest.mark.slow  # the plans compile with XLA:TPU

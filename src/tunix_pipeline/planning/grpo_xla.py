@@ -82,7 +82,7 @@ def compile_decode_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
             state, cache, _rows(mesh, sequences, (sequences, 1), jnp.int32),
             _rows(mesh, sequences, (sequences, 1), jnp.int32), _rows(mesh, sequences, (sequences, 1, cache_size), jnp.bool_),
         )
-        return measure(lowered, started, layers, devices)
+        return measure(lowered, started, layers, devices, "GRPO's decode step")
 
 
 def compile_update_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams, layers: int, lora, devices) -> dict:
@@ -121,7 +121,7 @@ def compile_update_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
         lowered = jax.jit(train_step, donate_argnums=(2,)).lower(
             abstract(trained, mesh), abstract(frozen, mesh), abstract(opt_state, mesh), example
         )
-        return measure(lowered, started, layers, devices)
+        return measure(lowered, started, layers, devices, "GRPO's update")
 
 
 def compile_judge_call(arch: Architecture, setup: TrainSetup, judge: JudgeParams, layers: int, devices) -> dict:
@@ -148,7 +148,7 @@ def compile_judge_call(arch: Architecture, setup: TrainSetup, judge: JudgeParams
             abstract(state, mesh), _rows(mesh, seqs, (seqs, length), jnp.int32),
             _rows(mesh, seqs, (seqs, length), jnp.int32), _rows(mesh, seqs, (seqs, length, length), jnp.bool_),
         )
-        return measure(lowered, started, layers, devices)
+        return measure(lowered, started, layers, devices, "the judge's scoring call")
 
 
 def check_judges(plan, policy, grpo: GrpoParams, arches: dict, devices, max_layers: int | None) -> dict:

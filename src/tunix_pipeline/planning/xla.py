@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import importlib.util
 import json
+import logging
 import math
 import os
 import subprocess
@@ -61,6 +62,8 @@ from tunix_pipeline.planning.memory import TrainSetup
 from tunix_pipeline.train.loss import loss_fn_for, model_inputs
 from tunix_pipeline.train.optim import make_optimizer
 from tunix_pipeline.upstream import accelerator_sharding
+
+log = logging.getLogger(__name__)
 
 
 def _tunix_config(arch: Architecture, layers: int, remat: str, compute_dtype: str | None = None):
@@ -139,10 +142,10 @@ def _unpersisted():
         jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
 
 
-def measure(lowered, started: float, layers: int, devices) -> dict:
-    """Compile `lowered` for `devices`: memory_analysis() (bytes per device: arguments + outputs - aliases +
-    temporaries) and cost_analysis() FLOPs and bytes accessed per device (the program is partitioned); read
-    back instead when the same program was compiled before (`compiled_figures`)."""
+def measure(lowered, started: float, layers: int, devices, what: str) -> dict:
+    """Compile `lowered` (`what` it is, for the progress lines) for `devices`: memory_analysis() (bytes per device:
+    arguments + outputs - aliases + temporaries) and cost_analysis() FLOPs and bytes accessed per device (the
+    program is partitioned); read back instead when the same program was compiled before (`compiled_figures`)."""
     platform = devices[0].platform
     # XLA:CPU assigns buffers before LLVM runs: skipping its optimisations changes no figure, only the wait
     options = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True} if platform == "cpu" else None
@@ -150,6 +153,9 @@ def measure(lowered, started: float, layers: int, devices) -> dict:
     kept = compiled_figures.read(entry)  # raises XLA:TPU's refusal again, as compiling would
     if kept is not None:
         return {**kept, "layers": layers, "seconds": time.perf_counter() - started, "compiled_before": True}
+    # a TPU program's code generation on a CPU takes a minute or more: say what is being waited for
+    target = f"{len(devices)} {devices[0].device_kind} devices"
+    log.info("plan: compiling %s at %d layers for %s (XLA:%s)...", what, layers, target, platform.upper())
     with _unpersisted() if platform != jax.default_backend() else contextlib.nullcontext():
         try:
             compiled = lowered.compile(compiler_options=options)
@@ -171,7 +177,9 @@ def measure(lowered, started: float, layers: int, devices) -> dict:
     }
     out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
     compiled_figures.write(entry, out)
-    return {**out, "layers": layers, "seconds": time.perf_counter() - started}
+    seconds = time.perf_counter() - started
+    log.info("plan: %s at %d layers compiled in %.0f s", what, layers, seconds)
+    return {**out, "layers": layers, "seconds": seconds}
 
 
 def compile_step(arch: Architecture, setup: TrainSetup, layers: int | None = None, lora=None, devices=None) -> dict:
@@ -204,7 +212,7 @@ def compile_step(arch: Architecture, setup: TrainSetup, layers: int | None = Non
     with accelerator_sharding(), mesh:
         lowered = jax.jit(train_step, donate_argnums=(2,)).lower(
             abstract(trained, mesh), abstract(frozen, mesh), abstract(opt_state, mesh), batch)
-        return measure(lowered, started, layers, devices)
+        return measure(lowered, started, layers, devices, "the SFT train step")
 
 
 def xla_peak(arch: Architecture, setup: TrainSetup, max_layers: int | None = 4, lora=None, devices=None) -> dict:
