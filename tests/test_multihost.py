@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,12 +43,27 @@ def _free_port() -> int:
 def _kedro(project: Path, devices: int, params: str, *args: str) -> subprocess.Popen:
     # wide enough that Rich does not wrap a log line
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "COLUMNS": "300"}
-    return subprocess.Popen([KEDRO, "run", *args, "--params", params], cwd=project, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # the log goes to a file, not a pipe: a pipe read one process after the other fills (64 KB) for the process read
+    # second, which then blocks on a write while the first waits for it at JAX's shutdown barrier
+    log = tempfile.TemporaryFile("w+")
+    process = subprocess.Popen([KEDRO, "run", *args, "--params", params], cwd=project, env=env,
+                               stdout=log, stderr=subprocess.STDOUT, text=True)
+    process.log = log
+    return process
+
+
+def _logs(*processes: subprocess.Popen, timeout: float = 600) -> list[str]:
+    logs = []
+    for p in processes:
+        p.wait(timeout=timeout)
+        p.log.seek(0)
+        logs.append(p.log.read())
+        p.log.close()
+    return logs
 
 
 def _finish(*processes: subprocess.Popen) -> list[str]:
-    logs = [p.communicate(timeout=600)[0] for p in processes]
+    logs = _logs(*processes)
     assert [p.returncode for p in processes] == [0] * len(processes), "\n\n".join(log[-4000:] for log in logs)
     return logs
 
@@ -190,7 +206,7 @@ def test_a_pod_whose_workers_keep_checkpoints_under_their_own_roots_stops_in_sec
                f"runtime.distributed.num_processes=2,runtime.distributed.process_id={i}")
         for i in range(2)
     ]
-    logs = [w.communicate(timeout=300)[0] for w in workers]
+    logs = _logs(*workers, timeout=300)
     elapsed = time.monotonic() - start
     assert [w.returncode for w in workers] == [1, 1], "\n\n".join(logs)
     for i, log in enumerate(logs):
