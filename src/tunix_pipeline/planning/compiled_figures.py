@@ -143,7 +143,9 @@ def write_shipped(figures: dict) -> dict:
     """`SHIPPED` holding `figures` under this process's compiler versions, a program a line."""
     out = {"versions": versions(), "figures": dict(sorted(figures.items()))}
     lines = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in out["figures"].items())
-    SHIPPED.write_text(f'{{"versions": {json.dumps(out["versions"])},\n "figures": {{\n{lines}\n}}}}\n')
+    tmp = SHIPPED.with_suffix(".tmp")
+    tmp.write_text(f'{{"versions": {json.dumps(out["versions"])},\n "figures": {{\n{lines}\n}}}}\n')
+    os.replace(tmp, SHIPPED)  # whole or as it was: a plan may read it now
     return out
 
 
