@@ -24,7 +24,7 @@ from tunix_pipeline.train.checkpoints import HISTORY_FILE, SECONDS_FILE, TrainCl
 from tunix_pipeline.train.loop import BatchFeed
 from tunix_pipeline.train.loss import completion_loss, model_inputs
 from tunix_pipeline.train.optim import make_optimizer
-from tunix_pipeline.train.sft import start, train
+from tunix_pipeline.train.sft import train
 
 from .conftest import ROOT
 from .parity import EPS, logits_atol
@@ -699,7 +699,7 @@ def test_dev_eval_keeps_and_hands_on_the_best_step(tiny_model_dir, token_rows, f
     # and a session that trains nothing (`sft.max_steps: 0`) hands that step on as its own, no Kedro needed
     passing = _sft(tmp_path, max_steps=0, init_from=str(tmp_path / "ckpt"), checkpoint_dir=str(tmp_path / "idle"))
     fresh, _ = load_model(tiny_model_dir, mesh)
-    passed = train(fresh, token_rows, token_rows.head(0), passing, mesh, lineage=start(fresh, passing))
+    passed = train(fresh, token_rows, token_rows.head(0), passing, mesh)
     assert [passed[k] for k in ("latest_step", "best_step", "selected_step", "steps_this_run")] == [4, 4, 4, 0]
     assert Path(passed["checkpoint_dir"]) == (tmp_path / "ckpt").resolve() and not (tmp_path / "idle").exists()
     assert all(np.array_equal(best[k], v) for k, v in _params(fresh).items())

@@ -217,6 +217,16 @@ def remember_run(folder: epath.Path) -> None:
     (folder / RUN_FILE).write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": mlflow.get_tracking_uri()}))
 
 
+def record_lineage(lineage: Mapping, checkpoint_dir: epath.Path | None) -> None:
+    """A training stage's start on the active run (process 0's): its lineage (`sft.init_from`'s parent) as
+    `lineage.*` tags, and the run recorded beside `checkpoint_dir` (None: nothing is trained there this session)."""
+    if mlflow.active_run() is None:
+        return
+    set_tags({f"lineage.{k}": v for k, v in lineage.items()})
+    if checkpoint_dir is not None:
+        remember_run(checkpoint_dir)
+
+
 def recorded_run(folder: epath.Path, uri: str | None = None) -> str | None:
     """The MLflow run recorded in `folder` (None when there is none, or, given `uri`, it is in another store)."""
     path = folder / RUN_FILE

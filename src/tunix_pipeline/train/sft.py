@@ -21,6 +21,7 @@ from tunix_pipeline.core.progress import throughput_hooks
 from tunix_pipeline.core.runtime import global_batch_size, process_rows
 from tunix_pipeline.models.architecture import model_flops_per_token
 from tunix_pipeline.stages import StageResult
+from tunix_pipeline.tracking.mlflow_runs import record_lineage
 from tunix_pipeline.train import checkpoints
 from tunix_pipeline.train.loop import (
     BatchFeed,
@@ -47,14 +48,6 @@ def _trainer(model, sft: SftParams, mesh, options, ckpt_dir: epath.Path, dev=Non
     )
 
 
-def start(model, sft: SftParams) -> dict:
-    """The run's lineage: with `sft.init_from`, the parent run's checkpoint loaded into `model`
-    (`checkpoints.start_from`: its checkpoint, step and MLflow run); {} for a run from the base model."""
-    if not sft.init_from:
-        return {}
-    return checkpoints.start_from(model, storage_path(sft.init_from), storage_path(sft.checkpoint_dir))
-
-
 def train(
     model,
     train_rows: pd.DataFrame,
@@ -64,18 +57,20 @@ def train(
     metrics_backends: list | None = None,
     peak_flops_per_device: float | None = None,
     dev=None,
-    lineage: dict | None = None,
 ) -> StageResult:
-    """Trains `model` in place; resumes from the latest checkpoint in `sft.checkpoint_dir`. `dev`: a
-    `dev_eval.DevEval` (`sft.dev_eval`) scoring the dev split as it goes and keeping the best step, or None.
-    `lineage`: `start`'s; with `sft.max_steps: 0` nothing is trained and the parent's checkpoint is the result."""
+    """Trains `model` in place; resumes from the latest checkpoint in `sft.checkpoint_dir`, or, in a new run with
+    `sft.init_from`, starts from the parent run's checkpoint (the lineage is in the result, and on the active MLflow
+    run). `dev`: a `dev_eval.DevEval` (`sft.dev_eval`) scoring the dev split as it goes and keeping the best step, or
+    None. With `sft.max_steps: 0` nothing is trained and the parent's checkpoint is the result."""
+    ckpt_dir = storage_path(sft.checkpoint_dir)  # once, here; a gs:// URI reaches Orbax as it is
+    lineage = checkpoints.start_from(model, storage_path(sft.init_from), ckpt_dir) if sft.init_from else {}
+    trains = sft.max_steps != 0  # by steps, or by epochs (None)
+    record_lineage(lineage, ckpt_dir if trains else None)
     batch_size = global_batch_size(sft, mesh)
-    lineage = lineage or {}
-    if sft.max_steps == 0:
+    if not trains:
         return _parent_passed_on(lineage, sft, batch_size)
     local = process_rows(mesh, batch_size)
     seq_len = len(train_rows["input_tokens"].iloc[0])
-    ckpt_dir = storage_path(sft.checkpoint_dir)  # a gs:// URI reaches Orbax as it is
     feed = BatchFeed(train_rows, batch_size, sft.seed, local, micro_batches=sft.gradient_accumulation_steps)
     feed.with_budget(sft.time_budget_hours, model)
     sft = sft.steps_for(len(train_rows), batch_size)  # sft.epochs -> max_steps, now that the rows are known

@@ -1,6 +1,5 @@
 import logging
 
-import jax
 import mlflow
 import pandas as pd
 
@@ -16,7 +15,6 @@ from tunix_pipeline.config import (
     TokenizeParams,
     TrackingParams,
 )
-from tunix_pipeline.core.paths import storage_path
 from tunix_pipeline.core.runtime import make_mesh
 from tunix_pipeline.evaluate import dev_eval, evaluation
 from tunix_pipeline.evaluate.dev_eval import DevEval, log_curve
@@ -35,9 +33,8 @@ from tunix_pipeline.planning.grpo import refusal as grpo_refusal
 from tunix_pipeline.planning.scoring import add_scoring
 from tunix_pipeline.planning.scoring import refusal as scoring_refusal
 from tunix_pipeline.stages import GRPO, PREFERENCE, SFT, StageResult
-from tunix_pipeline.tracking.mlflow_runs import mlflow_name, remember_run
 from tunix_pipeline.tracking.step_metrics import MlflowBackend, metrics_backends
-from tunix_pipeline.train.sft import start, train
+from tunix_pipeline.train.sft import train
 
 log = logging.getLogger(__name__)
 
@@ -55,21 +52,15 @@ def train_sft(
 ) -> StageResult:
     mesh = make_mesh(runtime)
     network, _ = load_run_model(base_model["path"], model, mesh, remat=sft.remat, compute_dtype=sft.compute_dtype)
-    live = mlflow.active_run() is not None and jax.process_index() == 0
-    lineage = start(network, sft)
     trains = sft.max_steps != 0  # by steps or by epochs (None); 0: the parent's checkpoint passes on (`train`)
-    if live and lineage:
-        mlflow.set_tags({mlflow_name(f"lineage.{k}"): v for k, v in lineage.items() if v is not None})
-    if live and trains:
-        remember_run(storage_path(sft.checkpoint_dir))
     # the dev split's score and the best step (`sft.dev_eval`)
     dev = DevEval(sft.dev_eval, load_tokenizer(base_model["path"]), eval_formatted, "sft",
                   runtime.decode_weights) if sft.dev_eval and trains else None
     result = train(
         network, train_tokens, eval_tokens, sft, mesh,
-        metrics_backends(tracking, runtime.output_root, "sft"), peak_flops_per_device(plan, runtime), dev, lineage,
+        metrics_backends(tracking, runtime.output_root, "sft"), peak_flops_per_device(plan, runtime), dev,
     )
-    if live and trains:
+    if trains and mlflow.active_run() is not None:
         MlflowBackend().fill_gaps("train/loss", result["history"])
         log_curve(result["dev_curve"], "sft")
     return {
