@@ -1,6 +1,8 @@
 """Sources in the shapes users have: the shipped GSM8K with its calculator annotations, one JSON array of records,
-nested fields, a field built from several columns (SVAMP's body + question) and numeric answer columns."""
+nested fields, a field built from several columns (SVAMP's body + question), numeric answer columns, ShareGPT's
+conversations and gzipped files."""
 
+import gzip
 import json
 
 import pandas as pd
@@ -120,3 +122,49 @@ def test_a_missing_nested_field_drops_the_row_with_its_name(tmp_path):
 def test_a_template_that_does_not_close_is_a_config_error():
     with pytest.raises(ValueError, match=r"columns.question = '\{Body \{Question\}' is not a column"):
         SourceParams(name="s", path="x.csv", format="gsm8k", columns={"question": "{Body {Question}"})
+
+
+def test_sharegpt_conversations_are_read_as_chat_turns(tmp_path):
+    """ShareGPT's shape (`conversations` of `{from: human | gpt | system, value}`), the most common chat dump: its
+    roles read as system/user/assistant; without the `columns:` mapping every row is dropped with its columns named."""
+    rows = [{"id": "a", "conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "2+2?"},
+                                          {"from": "gpt", "value": "<reasoning>2+2=4</reasoning><answer>4</answer>"}]},
+            {"id": "b", "conversations": [{"from": "human", "value": "3+3?"}, {"from": "bot", "value": "6"}]}]
+    path = tmp_path / "sharegpt.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    train, _, report = _ingest(path=str(path), format="messages", columns={"messages": "conversations"})
+    assert train.iloc[0]["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    assert (train.iloc[0]["reasoning"], train.iloc[0]["answer"]) == ("2+2=4", "4") and len(train) == 1
+    assert report["sources"]["src"]["dropped"] == {"unknown_role:bot": 1}  # only ShareGPT's own names are mapped
+    with pytest.raises(DataError, match=r"missing column 'messages' \(the row has 'id', 'conversations'; where one of "
+                                        r"them holds it, name that column in this source's `columns:`\)"):
+        _ingest(path=str(path), format="messages")
+
+
+@pytest.mark.parametrize("name", ["rows.jsonl.gz", "rows.json.gz", "rows.csv.gz"])
+def test_gzipped_files_are_read_as_their_plain_copies(tmp_path, name):
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in range(5)]
+    plain = tmp_path / name.removesuffix(".gz")
+    if plain.suffix == ".csv":
+        pd.DataFrame(rows).to_csv(plain, index=False)
+    else:
+        plain.write_text("\n".join(map(json.dumps, rows)) if plain.suffix == ".jsonl" else json.dumps(rows))
+    (tmp_path / name).write_bytes(gzip.compress(plain.read_bytes()))
+    unzipped, _, _ = _ingest(path=str(plain), format="gsm8k")
+    zipped, _, report = _ingest(path=str(tmp_path / name), format="gsm8k")
+    assert zipped.equals(unzipped) and len(zipped) == 5
+    assert report["sources"]["src"]["read"]["location"] == str(tmp_path / name)
+
+
+def test_a_damaged_gzip_file_stops_in_one_line_naming_it(tmp_path):
+    data = "\n".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) for i in range(2000)).encode()
+    cut, plain = tmp_path / "cut.jsonl.gz", tmp_path / "plain.jsonl.gz"
+    cut.write_bytes(gzip.compress(data)[:2000])
+    plain.write_bytes(data)  # named .gz, never compressed
+    with pytest.raises(DataError, match=r"cut\.jsonl\.gz is a damaged or cut-short gzip file"):
+        _ingest(path=str(cut), format="gsm8k")
+    with pytest.raises(DataError, match=r"plain\.jsonl\.gz cannot be read as \.jsonl compressed with gzip"):
+        _ingest(path=str(plain), format="gsm8k")
+    with pytest.raises(DataError, match=r"unsupported file type '\.parquet\.gz'"):
+        (tmp_path / "x.parquet.gz").write_bytes(b"x")
+        _ingest(path=str(tmp_path / "x.parquet.gz"), format="gsm8k")

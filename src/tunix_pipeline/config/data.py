@@ -24,7 +24,7 @@ class HubDataset(Strict):
 
 class SourceParams(Strict):
     name: str
-    path: str | None = Field(None, description="local .jsonl/.json/.parquet/.csv file")
+    path: str | None = Field(None, description="local .jsonl/.json/.parquet/.csv file (.jsonl.gz: gzipped)")
     hf: HubDataset | None = None
     format: Literal["gsm8k", "alpaca", "messages", "prompt_response", "preference", "open"]
     # canonical field -> where it is in this source: a column (`problem`), a nested field (`data.problem`), or a

@@ -45,7 +45,10 @@ def lookup(row: dict, path: str):
     value = row
     for key in path.split("."):
         if not isinstance(value, dict) or key not in value:
-            raise BadRow(f"missing_column:{path}", f"missing column '{path}'")
+            # a top-level column: name the row's own, one of which the source's `columns:` can map to it
+            named = "" if "." in path else (f" (the row has {', '.join(map(repr, list(row)[:12]))}; where one of them "
+                                            "holds it, name that column in this source's `columns:`)")
+            raise BadRow(f"missing_column:{path}", f"missing column '{path}'{named}")
         value = value[key]
     return value
 

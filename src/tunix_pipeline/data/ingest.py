@@ -40,6 +40,7 @@ MAX_DROPPED_ROWS_IN_REPORT = 10_000  # per source; the counts stay exact beyond 
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}  # and its `system`, `user`, `assistant` as they are
 _SLUG_WORD = re.compile(r"[A-Za-z0-9_-]{1,32}")
 _CALCULATOR = re.compile(r"<<[^<>\n]*>>")  # GSM8K's calculator annotation: `48/2 = <<48/2=24>>24`
 
@@ -152,7 +153,10 @@ def _map_messages(row: dict, column: str) -> tuple[list[dict], str, str]:
     for i, m in enumerate(value, start=1):
         if not isinstance(m, dict):
             raise BadRow(f"wrong_type:{column}", f"message {i} is {json_type(m)}, expected an object {{role, content}}")
-        role = m.get("role")
+        sharegpt = "role" not in m and "from" in m  # ShareGPT's turns: {from: human | gpt | system, value}
+        role = m["from"] if sharegpt else m.get("role")
+        if sharegpt and isinstance(role, str):
+            role = SHAREGPT_ROLES.get(role, role)
         if role not in ROLES:
             # the role names the slug when it is a word (e.g. ShareGPT's `human`), so the count says what to map
             named = isinstance(role, str) and _SLUG_WORD.fullmatch(role)
@@ -160,7 +164,7 @@ def _map_messages(row: dict, column: str) -> tuple[list[dict], str, str]:
                 f"unknown_role:{role}" if named else "unknown_role",
                 f"message {i} has role {role!r}; roles are {', '.join(ROLES)}",
             )
-        messages.append({"role": role, "content": fields.text(m, "content", False)})
+        messages.append({"role": role, "content": fields.text(m, "value" if sharegpt else "content", False)})
     if messages[-1]["role"] != "assistant":
         raise BadRow("no_assistant_turn", f"the last message is the {messages[-1]['role']}'s, not the assistant's answer")
     if not any(m["role"] == "user" for m in messages[:-1]):

@@ -1,14 +1,17 @@
-"""Reading one data source (a local JSONL, JSON, CSV or Parquet file, or a hub dataset) as rows, each with its
-location; a row that cannot be read comes with its reason (`BadRow`), a file that cannot be read at all is a
-`DataError` naming its path and the fix. Blank lines are not rows. A hub source with `max_rows` is streamed and
-read no further than it needs."""
+"""Reading one data source (a local JSONL, JSON, CSV or Parquet file, the first three also gzipped, or a hub
+dataset) as rows, each with its location; a row that cannot be read comes with its reason (`BadRow`), a file that
+cannot be read at all is a `DataError` naming its path and the fix. Blank lines are not rows. A hub source with
+`max_rows` is streamed and read no further than it needs."""
 
 from __future__ import annotations
 
 import csv
+import gzip
+import io
 import itertools
 import json
 import re
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,13 +49,33 @@ def read_rows(source: SourceParams, seed: int) -> Rows:
         yield from _read_hub(source, seed)
         return
     path = _checked_path(source)
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        yield from _json_rows(source, path)
-    elif suffix == ".csv":
-        yield from _csv_rows(source, path)
-    else:
-        yield from _parquet_rows(source, path)
+    suffix = file_type(path)
+    try:
+        if suffix in (".jsonl", ".json"):
+            yield from _json_rows(source, path)
+        elif suffix == ".csv":
+            yield from _csv_rows(source, path)
+        else:
+            yield from _parquet_rows(source, path)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as err:  # only a gzipped file's stream breaks off this way
+        raise _file_error(source, path, f"is a damaged or cut-short gzip file ({err}); copy it again, or "
+                          "decompress what is left and point `path` at that") from None
+
+
+def file_type(path: Path) -> str:
+    """A data file's type by its name: `.jsonl`, `.json`, `.csv`, `.parquet`; a gzipped one's under its `.gz`."""
+    suffixes = [s.lower() for s in path.suffixes]
+    return suffixes[-2] if len(suffixes) >= 2 and suffixes[-1] == ".gz" and suffixes[-2] != ".parquet" else path.suffix.lower()
+
+
+def _open(path: Path):
+    """The file's bytes, decompressed when it is gzipped (`.gz`)."""
+    return gzip.open(path, "rb") if path.suffix.lower() == ".gz" else path.open("rb")
+
+
+def _read(path: Path) -> bytes:
+    with _open(path) as f:
+        return f.read()
 
 
 def _file_error(source: SourceParams, where, problem: str) -> DataError:
@@ -70,13 +93,16 @@ def _checked_path(source: SourceParams) -> Path:
             f"source '{source.name}': file not found: {path} "
             f"(paths are relative to the project root; fix `ingest.sources[].path`)"
         )
-    if path.suffix.lower() not in (".jsonl", ".json", ".csv", ".parquet"):
+    if file_type(path) not in (".jsonl", ".json", ".csv", ".parquet"):
         raise _file_error(
-            source, path, f"has an unsupported file type '{path.suffix}'; use .jsonl, .json, .csv or .parquet, "
-            "or an `hf:` source"
+            source, path, f"has an unsupported file type '{''.join(path.suffixes[-2:])}'; use .jsonl, .json, .csv or "
+            ".parquet (the first three also gzipped: .jsonl.gz), or an `hf:` source"
         )
-    with path.open("rb") as f:
-        head = f.read(2)
+    try:
+        with _open(path) as f:
+            head = f.read(2)
+    except OSError as err:  # gzip's "not a gzipped file", a truncated archive
+        raise _file_error(source, path, f"cannot be read as {file_type(path)} compressed with gzip ({err})") from None
     if not head:
         raise _file_error(source, path, "is empty (0 bytes); add rows, or remove the source from `ingest.sources`")
     if head in (b"\xff\xfe", b"\xfe\xff"):
@@ -90,17 +116,17 @@ def _blank_file(source: SourceParams, path: Path) -> DataError:
 
 def _json_rows(source: SourceParams, path: Path) -> Rows:
     """JSON lines (.jsonl, .json), or one JSON array of row objects (.json)."""
-    with path.open("rb") as f:
+    with _open(path) as f:
         first = next((line for line in f if line.strip()), None)
     if first is None:
         raise _blank_file(source, path)
     if first.lstrip(b"\xef\xbb\xbf \t").startswith(b"["):
-        if path.suffix.lower() == ".json":
+        if file_type(path) == ".json":
             yield from _json_array_rows(source, path)
             return
         if isinstance(_load_json(path), list):
             raise _file_error(source, path, "is one JSON array, not JSON lines (one object per line): name it .json")
-    with path.open("rb") as f:
+    with _open(path) as f:
         for line_no, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
@@ -129,14 +155,14 @@ def _json_rows(source: SourceParams, path: Path) -> Rows:
 def _load_json(path: Path):
     """The file as one JSON document (undecodable bytes kept as surrogates), or None when it is not one."""
     try:
-        return json.loads(path.read_bytes().decode("utf-8-sig", errors="surrogateescape"))
+        return json.loads(_read(path).decode("utf-8-sig", errors="surrogateescape"))
     except (ValueError, RecursionError):
         return None
 
 
 def _json_array_rows(source: SourceParams, path: Path) -> Rows:
     """The elements of one JSON array, each with the line it starts on."""
-    text = path.read_bytes().decode("utf-8-sig", errors="surrogateescape")
+    text = _read(path).decode("utf-8-sig", errors="surrogateescape")
     try:
         json.loads(text)  # the whole document first: one broken element breaks the array
     except json.JSONDecodeError as err:
@@ -164,7 +190,7 @@ def _json_array_rows(source: SourceParams, path: Path) -> Rows:
 def _csv_rows(source: SourceParams, path: Path) -> Rows:
     csv.field_size_limit(2**31 - 1)  # a long document is a row too; the default 128 KiB cap would stop the file
     # undecodable bytes become surrogates, which `_text` reports as `not_utf8:<column>` for the columns used
-    with path.open(encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
+    with io.TextIOWrapper(_open(path), encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
         reader = csv.reader(f)
         header = next((cells for cells in reader if not _blank_cells(cells)), None)
         if header is None:
