@@ -123,15 +123,23 @@ on_main_process("demo", fail)
 """
 
 
-def test_a_write_that_fails_on_process_0_fails_every_process():
+def _two_scripts(script: str, *args: str) -> list[tuple[int, str, str]]:
+    """`script` run as processes 0 and 1 of one JAX run (`sys.argv[1:3]`: the coordinator's address, the process id;
+    then `args`): each one's exit status, standard output and standard error. The scripts' prints are read from
+    standard output alone: Gloo's C++ log lines go to standard error, and there a write can land inside a line."""
     address = f"127.0.0.1:{_free_port()}"
-    workers = [subprocess.Popen([sys.executable, "-c", ON_MAIN, address, str(i)], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    first, second = [w.communicate(timeout=120)[0] for w in workers]
-    assert [w.returncode for w in workers] == [1, 1], first + second
-    assert "wrote: done" in first and "wrote: None" in second  # process 0 alone ran it
-    assert "OSError: disk full" in first
-    assert "RuntimeError: demo: failed on process 0" in second
+    workers = [subprocess.Popen([sys.executable, "-c", script, address, str(i), *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outputs = [w.communicate(timeout=120) for w in workers]
+    return [(w.returncode, out, err) for w, (out, err) in zip(workers, outputs)]
+
+
+def test_a_write_that_fails_on_process_0_fails_every_process():
+    first, second = _two_scripts(ON_MAIN)
+    assert [first[0], second[0]] == [1, 1], first + second
+    assert "wrote: done" in first[1] and "wrote: None" in second[1]  # process 0 alone ran it
+    assert "OSError: disk full" in first[2]
+    assert "RuntimeError: demo: failed on process 0" in second[2]
 
 
 # the checkpoint folders' check (runtime.check_shared_folders) on two processes: shared folders, local and
@@ -161,13 +169,10 @@ except FolderNotShared as err:
 
 
 def test_checkpoint_folders_are_checked_to_be_one_folder_on_every_process(tmp_path):
-    address = f"127.0.0.1:{_free_port()}"
-    workers = [subprocess.Popen([sys.executable, "-c", SHARED, address, str(i), str(tmp_path), str(Path(__file__).parents[1])],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    logs = [w.communicate(timeout=120)[0] for w in workers]
-    assert [w.returncode for w in workers] == [0, 0], "\n\n".join(logs)
+    runs = _two_scripts(SHARED, str(tmp_path), str(Path(__file__).parents[1]))
+    assert [status for status, _, _ in runs] == [0, 0], runs
     errors = []
-    for log in logs:
+    for _, log, _ in runs:
         assert "shared: [] []" in log  # passed, and the marker files are gone
         seconds, _, error = log.split("after ")[1].partition(" s: ")
         assert 2 <= float(seconds) < 30  # the timeout, then the answer: no ten-minute wait
