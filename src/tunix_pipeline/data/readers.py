@@ -65,7 +65,8 @@ def read_rows(source: SourceParams, seed: int) -> Rows:
 def file_type(path: Path) -> str:
     """A data file's type by its name: `.jsonl`, `.json`, `.csv`, `.parquet`; a gzipped one's under its `.gz`."""
     suffixes = [s.lower() for s in path.suffixes]
-    return suffixes[-2] if len(suffixes) >= 2 and suffixes[-1] == ".gz" and suffixes[-2] != ".parquet" else path.suffix.lower()
+    gzipped = len(suffixes) >= 2 and suffixes[-1] == ".gz" and suffixes[-2] != ".parquet"  # Parquet compresses inside
+    return suffixes[-2] if gzipped else path.suffix.lower()
 
 
 def _open(path: Path):
@@ -101,8 +102,9 @@ def _checked_path(source: SourceParams) -> Path:
     try:
         with _open(path) as f:
             head = f.read(2)
-    except OSError as err:  # gzip's "not a gzipped file", a truncated archive
-        raise _file_error(source, path, f"cannot be read as {file_type(path)} compressed with gzip ({err})") from None
+    except OSError as err:  # no permission to read it; a `.gz` that is not gzipped
+        what = f" as {file_type(path)} compressed with gzip" if path.suffix.lower() == ".gz" else ""
+        raise _file_error(source, path, f"cannot be read{what} ({err})") from None
     if not head:
         raise _file_error(source, path, "is empty (0 bytes); add rows, or remove the source from `ingest.sources`")
     if head in (b"\xff\xfe", b"\xfe\xff"):
