@@ -1,6 +1,6 @@
 """Sources in the shapes users have: the shipped GSM8K with its calculator annotations, one JSON array of records,
 nested fields, a field built from several columns (SVAMP's body + question), numeric answer columns, ShareGPT's
-conversations and gzipped files."""
+conversations, TRL's conversational prompt/completion and preference rows, and gzipped files."""
 
 import gzip
 import json
@@ -139,6 +139,52 @@ def test_sharegpt_conversations_are_read_as_chat_turns(tmp_path):
     with pytest.raises(DataError, match=r"missing column 'messages' \(the row has 'id', 'conversations'; where one of "
                                         r"them holds it, name that column in this source's `columns:`\)"):
         _ingest(path=str(path), format="messages")
+
+
+def _jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+USER_2_PLUS_2 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+
+
+def test_trls_conversational_prompt_completion_rows_are_read_as_chat_turns(tmp_path):
+    """TRL's conversational prompt-completion shape (`prompt`: the turns up to the user's, `completion`: one assistant
+    turn) reads as the same record as the chat it splits; a prompt ending with the assistant's turn, or a completion
+    that holds other turns, drops its row with the reason."""
+    answer = "<reasoning>2+2=4</reasoning><answer>4</answer>"
+    rows = [{"prompt": USER_2_PLUS_2, "completion": [{"role": "assistant", "content": answer}]},
+            {"prompt": [{"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}],
+             "completion": [{"role": "assistant", "content": "6"}]},
+            {"prompt": [{"role": "user", "content": "4+4?"}],
+             "completion": [{"role": "user", "content": "hm"}, {"role": "assistant", "content": "8"}]}]
+    columns = {"response": "completion"}
+    train, _, report = _ingest(path=_jsonl(tmp_path / "pc.jsonl", rows), format="prompt_response", columns=columns)
+    chat, _, _ = _ingest(path=_jsonl(tmp_path / "chat.jsonl", [{"messages": [*USER_2_PLUS_2,
+                                                                           {"role": "assistant", "content": answer}]}]),
+                         format="messages")
+    assert len(train) == 1 and train.iloc[0]["prompt"] is None
+    assert train.drop(columns=["id", "source"]).equals(chat.drop(columns=["id", "source"]))
+    assert report["sources"]["src"]["dropped"] == {"prompt_ends_with:assistant": 1, "completion_turns:completion": 1}
+
+
+def test_trls_conversational_preference_rows_and_prompt_only_rows(tmp_path):
+    """TRL's preference shape with an explicit prompt (`prompt` turns, `chosen` and `rejected` one assistant turn
+    each) reads as the pair it holds, as the same pair does as whole chats (the UltraFeedback-binarized shape); a
+    conversational prompt-only row is an `open` prompt, for GRPO and evaluation."""
+    chosen, rejected = "<reasoning>2+2=4</reasoning><answer>4</answer>", "<reasoning>2+2=5</reasoning><answer>5</answer>"
+    explicit = [{"prompt": USER_2_PLUS_2, "chosen": [{"role": "assistant", "content": chosen}],
+                 "rejected": [{"role": "assistant", "content": rejected}]}]
+    whole = [{"chosen": [*USER_2_PLUS_2, {"role": "assistant", "content": chosen}],
+              "rejected": [*USER_2_PLUS_2, {"role": "assistant", "content": rejected}]}]
+    pairs, _, _ = _ingest(path=_jsonl(tmp_path / "explicit.jsonl", explicit), format="preference")
+    same, _, _ = _ingest(path=_jsonl(tmp_path / "whole.jsonl", whole), format="preference")
+    assert pairs.drop(columns=["source"]).equals(same.drop(columns=["source"]))
+    assert pairs.iloc[0]["messages"] == USER_2_PLUS_2
+    assert (pairs.iloc[0]["answer"], pairs.iloc[0]["rejected_answer"]) == ("4", "5")
+    prompts, _, _ = _ingest(path=_jsonl(tmp_path / "open.jsonl", [{"prompt": USER_2_PLUS_2}]), format="open")
+    assert prompts.iloc[0]["messages"] == USER_2_PLUS_2 and prompts.iloc[0]["open_ended"]
 
 
 @pytest.mark.parametrize("name", ["rows.jsonl.gz", "rows.json.gz", "rows.csv.gz"])

@@ -90,9 +90,9 @@ def _map_row(row: dict, source: SourceParams) -> dict:
             extra = fields.text(row, col["input"], False)
             prompt = f"{prompt}\n\n{extra}" if extra else prompt
             completion = fields.text(row, col["output"], True, numeric=True)
-        else:
-            prompt = fields.text(row, col["prompt"], True)
-            completion = fields.text(row, col["response"], True, numeric=True)
+        else:  # the prompt and response as text, or as chat turns (TRL's conversational prompt-completion)
+            prompt, messages = _prompt(row, col["prompt"])
+            completion = _completion(row, col["response"])
         reasoning, answer = split_completion(completion)
         reasoning = fields.text(row, col["reasoning"], False) or reasoning
     elif source.format == "preference":
@@ -108,29 +108,33 @@ def _map_row(row: dict, source: SourceParams) -> dict:
 
 
 def _map_open(row: dict, col: dict) -> dict:
-    """An open-ended row: a prompt, and a reference (SFT's target) or none (a prompt for GRPO and evaluation)."""
-    prompt = fields.text(row, col["prompt"], True)
+    """An open-ended row: a prompt (text, or chat turns: TRL's conversational prompt-only shape), and a reference
+    (SFT's target) or none (a prompt for GRPO and evaluation)."""
+    prompt, messages = _prompt(row, col["prompt"])
     reference = fields.text(row, col["reference"], False, numeric=True)
     reasoning, answer = split_completion(reference) if reference else ("", "")
     if reference and not answer:
         raise BadRow("empty_answer", f"the reference in '{col['reference']}' has an empty answer; "
                      "give its text, or leave it out for a prompt-only row")
-    return {"prompt": prompt, "messages": None, "reasoning": reasoning, "answer": answer, "open_ended": True}
+    return {"prompt": prompt, "messages": messages, "reasoning": reasoning, "answer": answer, "open_ended": True}
 
 
 def _map_pair(row: dict, col: dict) -> dict:
-    """A preference row: `prompt` with chosen/rejected texts, or chosen/rejected chats sharing their prompt turns."""
-    chosen, rejected = row.get(col["chosen"]), row.get(col["rejected"])
-    if isinstance(chosen, str) or isinstance(rejected, str) or chosen is None or rejected is None:
-        chosen_reasoning, chosen_answer = split_completion(fields.text(row, col["chosen"], True))
-        rejected_reasoning, rejected_answer = split_completion(fields.text(row, col["rejected"], True))
-        prompt, messages = fields.text(row, col["prompt"], True), None
-    else:  # the UltraFeedback-binarized shape: each side is the whole chat, prompt turns included
-        messages, chosen_reasoning, chosen_answer = _map_messages(row, col["chosen"])
-        rejected_turns, rejected_reasoning, rejected_answer = _map_messages(row, col["rejected"])
+    """A preference row: chosen/rejected chats that hold their prompt turns (the UltraFeedback-binarized shape), or
+    chosen/rejected answers (texts, or TRL's conversational shape: one assistant turn each) beside a `prompt` (text,
+    or chat turns)."""
+    chosen, rejected = _chat_value(row, col["chosen"]), _chat_value(row, col["rejected"])
+    chosen = None if chosen is None else _turns(chosen, col["chosen"])
+    if chosen is not None and rejected is not None and any(t["role"] != "assistant" for t in chosen):
+        messages, chosen_reasoning, chosen_answer = _answered(chosen)
+        rejected_turns, rejected_reasoning, rejected_answer = _answered(_turns(rejected, col["rejected"]))
         if rejected_turns != messages:
             raise BadRow("prompt_mismatch", f"'{col['chosen']}' and '{col['rejected']}' differ before the answer")
         prompt = None
+    else:
+        chosen_reasoning, chosen_answer = split_completion(_completion(row, col["chosen"], numeric=False))
+        rejected_reasoning, rejected_answer = split_completion(_completion(row, col["rejected"], numeric=False))
+        prompt, messages = _prompt(row, col["prompt"])
     if not chosen_answer or not rejected_answer:
         raise BadRow("empty_answer", f"the {'chosen' if not chosen_answer else 'rejected'} answer is empty")
     if (chosen_reasoning, chosen_answer) == (rejected_reasoning, rejected_answer):
@@ -143,6 +147,47 @@ def _map_messages(row: dict, column: str) -> tuple[list[dict], str, str]:
     value = fields.lookup(row, column)
     if hasattr(value, "tolist"):  # numpy arrays from Parquet
         value = value.tolist()
+    return _answered(_turns(value, column))
+
+
+def _chat_value(row: dict, spec: str) -> list | None:
+    """The value at `spec` when it is a list (chat turns), else None: a text, a template, or no such field."""
+    if fields.paths(spec) != [spec]:
+        return None
+    try:
+        value = fields.lookup(row, spec)
+    except BadRow:
+        return None
+    value = value.tolist() if hasattr(value, "tolist") else value  # numpy arrays from Parquet
+    return value if isinstance(value, list) else None
+
+
+def _prompt(row: dict, spec: str) -> tuple[str | None, list[dict] | None]:
+    """(prompt, messages): a text prompt, or chat turns that end with the user's."""
+    turns = _chat_value(row, spec)
+    if turns is None:
+        return fields.text(row, spec, True), None
+    messages = _turns(turns, spec)
+    if messages[-1]["role"] != "user":
+        raise BadRow(f"prompt_ends_with:{messages[-1]['role']}",
+                     f"'{spec}' ends with the {messages[-1]['role']}'s turn; a prompt ends with the user's")
+    return None, messages
+
+
+def _completion(row: dict, spec: str, numeric: bool = True) -> str:
+    """An answer's text: a text field, or one assistant turn (TRL's conversational completion)."""
+    turns = _chat_value(row, spec)
+    if turns is None:
+        return fields.text(row, spec, True, numeric=numeric)
+    messages = _turns(turns, spec)
+    if [m["role"] for m in messages] != ["assistant"]:
+        raise BadRow(f"completion_turns:{spec}", f"'{spec}' holds the turns of "
+                     f"{', '.join(m['role'] for m in messages)}; a completion is one assistant turn")
+    return messages[0]["content"]
+
+
+def _turns(value, column: str) -> list[dict]:
+    """Chat turns, `{role, content}` or ShareGPT's `{from: human | gpt | system, value}`, as `{role, content}`."""
     if value is None:
         raise BadRow(f"null_field:{column}", f"'{column}' is null")
     if not isinstance(value, list):
@@ -153,7 +198,7 @@ def _map_messages(row: dict, column: str) -> tuple[list[dict], str, str]:
     for i, m in enumerate(value, start=1):
         if not isinstance(m, dict):
             raise BadRow(f"wrong_type:{column}", f"message {i} is {json_type(m)}, expected an object {{role, content}}")
-        sharegpt = "role" not in m and "from" in m  # ShareGPT's turns: {from: human | gpt | system, value}
+        sharegpt = "role" not in m and "from" in m
         role = m["from"] if sharegpt else m.get("role")
         if sharegpt and isinstance(role, str):
             role = SHAREGPT_ROLES.get(role, role)
@@ -165,6 +210,11 @@ def _map_messages(row: dict, column: str) -> tuple[list[dict], str, str]:
                 f"message {i} has role {role!r}; roles are {', '.join(ROLES)}",
             )
         messages.append({"role": role, "content": fields.text(m, "value" if sharegpt else "content", False)})
+    return messages
+
+
+def _answered(messages: list[dict]) -> tuple[list[dict], str, str]:
+    """(the turns before the answer, reasoning, answer) of a chat that ends with the assistant's answer."""
     if messages[-1]["role"] != "assistant":
         raise BadRow("no_assistant_turn", f"the last message is the {messages[-1]['role']}'s, not the assistant's answer")
     if not any(m["role"] == "user" for m in messages[:-1]):
