@@ -1,6 +1,6 @@
 """Sources in the shapes users have: the shipped GSM8K with its calculator annotations, one JSON array of records,
 nested fields, a field built from several columns (SVAMP's body + question), numeric answer columns, ShareGPT's
-conversations, TRL's conversational prompt/completion and preference rows, and gzipped files."""
+conversations, TRL's conversational prompt/completion and preference rows, HH-RLHF's transcripts, and gzipped files."""
 
 import gzip
 import json
@@ -185,6 +185,21 @@ def test_trls_conversational_preference_rows_and_prompt_only_rows(tmp_path):
     assert (pairs.iloc[0]["answer"], pairs.iloc[0]["rejected_answer"]) == ("4", "5")
     prompts, _, _ = _ingest(path=_jsonl(tmp_path / "open.jsonl", [{"prompt": USER_2_PLUS_2}]), format="open")
     assert prompts.iloc[0]["messages"] == USER_2_PLUS_2 and prompts.iloc[0]["open_ended"]
+
+
+def test_anthropic_hh_rlhf_transcripts_are_read_as_chat_pairs(tmp_path):
+    """Anthropic's HH-RLHF shape: `chosen` and `rejected` transcripts (`\n\nHuman: ...\n\nAssistant: ...`) that share
+    their turns but the last; a pair whose earlier turns differ is dropped with the reason."""
+    turns = "\n\nHuman: What is 2+2?\n\nAssistant: Do you mean in base 10?\n\nHuman: Yes."
+    rows = [{"chosen": turns + "\n\nAssistant: It is 4.", "rejected": turns + "\n\nAssistant: It is 5."},
+            {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello!", "rejected": "\n\nHuman: Hey\n\nAssistant: Go away."}]
+    pairs, _, report = _ingest(path=_jsonl(tmp_path / "hh.jsonl", rows), format="preference")
+    assert len(pairs) == 1 and pairs.iloc[0]["prompt"] is None
+    assert pairs.iloc[0]["messages"] == [{"role": "user", "content": "What is 2+2?"},
+                                         {"role": "assistant", "content": "Do you mean in base 10?"},
+                                         {"role": "user", "content": "Yes."}]
+    assert (pairs.iloc[0]["answer"], pairs.iloc[0]["rejected_answer"]) == ("It is 4.", "It is 5.")
+    assert report["sources"]["src"]["dropped"] == {"prompt_mismatch": 1}
 
 
 @pytest.mark.parametrize("name", ["rows.jsonl.gz", "rows.json.gz", "rows.csv.gz"])

@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}  # and its `system`, `user`, `assistant` as they are
+TRANSCRIPT_ROLES = {"Human": "user", "Assistant": "assistant"}
+_TRANSCRIPT_TURN = re.compile(r"\n\n(Human|Assistant): ?")
 _SLUG_WORD = re.compile(r"[A-Za-z0-9_-]{1,32}")
 _CALCULATOR = re.compile(r"<<[^<>\n]*>>")  # GSM8K's calculator annotation: `48/2 = <<48/2=24>>24`
 
@@ -124,6 +126,8 @@ def _map_pair(row: dict, col: dict) -> dict:
     chosen/rejected answers (texts, or TRL's conversational shape: one assistant turn each) beside a `prompt` (text,
     or chat turns)."""
     chosen, rejected = _chat_value(row, col["chosen"]), _chat_value(row, col["rejected"])
+    if chosen is None and rejected is None and col["prompt"] not in row:  # Anthropic HH-RLHF's transcripts
+        chosen, rejected = _transcript(row.get(col["chosen"])), _transcript(row.get(col["rejected"]))
     chosen = None if chosen is None else _turns(chosen, col["chosen"])
     if chosen is not None and rejected is not None and any(t["role"] != "assistant" for t in chosen):
         messages, chosen_reasoning, chosen_answer = _answered(chosen)
@@ -148,6 +152,14 @@ def _map_messages(row: dict, column: str) -> tuple[list[dict], str, str]:
     if hasattr(value, "tolist"):  # numpy arrays from Parquet
         value = value.tolist()
     return _answered(_turns(value, column))
+
+
+def _transcript(text) -> list[dict] | None:
+    """The turns of a `\n\nHuman: ...\n\nAssistant: ...` transcript (Anthropic's HH-RLHF), else None."""
+    parts = _TRANSCRIPT_TURN.split(text) if isinstance(text, str) else []
+    if len(parts) < 5 or parts[0].strip():
+        return None
+    return [{"role": TRANSCRIPT_ROLES[who], "content": said.strip()} for who, said in zip(parts[1::2], parts[2::2])]
 
 
 def _chat_value(row: dict, spec: str) -> list | None:
