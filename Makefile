@@ -31,7 +31,7 @@ test: $(VENV)/.installed-test
 	$(PYTEST)
 
 # the edit-test loop: every test not marked slow (whole pipeline runs, processes of their own, real models, XLA:TPU
-# compiles: anything past ~10 s)
+# compiles, the tiny model's training and generation loops: anything past ~5 s with both workers busy)
 test-quick: $(VENV)/.installed-test
 	$(PYTEST) -m "not slow"
 

@@ -101,6 +101,7 @@ def test_the_trainer_builds_its_steps_with_the_cpu_compile_options():
     assert int(step(jax.numpy.ones(()))) == 2
 
 
+@pytest.mark.slow
 def test_harness_benchmark_times_ours_and_lm_evals_hf_backend_on_the_same_task():
     pytest.importorskip("lm_eval")
     from benchmarks import harness_throughput
@@ -154,6 +155,7 @@ def test_grpo_cpu_splits_each_step_and_assembles_the_result():
     assert "first (compiling) step is excluded" in result["timing"]
 
 
+@pytest.mark.slow
 def test_grpo_cpu_feeds_ours_and_trl_the_same_prompts(tiny_model_dir):
     pytest.importorskip("trl")
     from benchmarks import grpo_cpu

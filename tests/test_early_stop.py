@@ -56,6 +56,7 @@ def _run_to_the_limit(model, tokenizer, prompts) -> list[list[int]]:
     return rows
 
 
+@pytest.mark.slow
 def test_rows_end_on_their_own_with_the_greedy_tokens_of_fixed_batches(lively, tokenizer):
     model, mesh = lively
     prompts = _prompts(14)
@@ -133,6 +134,7 @@ def test_generation_stops_at_the_start_of_a_new_turn_and_grpo_at_its_end(tokeniz
     assert generation.end_tokens(tokenizer, new_turn=True) == turn_ends + [new_turn]
 
 
+@pytest.mark.slow
 def test_sampled_rows_are_drawn_per_seed_with_one_prefill_per_group(lively, tokenizer):
     model, mesh = lively
     prompts = _prompts(3)
@@ -195,6 +197,7 @@ def test_the_repeat_rule_on_the_device_is_the_rule_on_the_finished_row():
     assert 0 < fired[:, 12:].any(axis=1).sum() < 64
 
 
+@pytest.mark.slow
 def test_a_row_that_repeats_a_block_ends_there_and_the_others_run_on(lively, tiny_model_dir, tokenizer):
     """`evaluate.stop_repeats`: as built, the tiny model says one word over and over: its rows end (kept) once a
     block of 4 tokens has come twice, and `Generator.repeated` says so; the lively model's rows, which repeat no block

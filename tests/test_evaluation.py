@@ -329,6 +329,7 @@ def test_prompt_lengths_count_like_the_sampler(tokenizer):
     assert lengths == [len(sampler.tokenize(p)) for p in prompts]
 
 
+@pytest.mark.slow
 def test_generation_batches_reuse_one_sampler_and_see_new_weights(tiny, tokenizer):
     import jax
     from flax import nnx
@@ -427,6 +428,7 @@ def test_evaluator_skips_and_counts_prompts_that_do_not_fit(tiny, tokenizer):
     np.testing.assert_array_equal(held_out["id"], ["q0", "q1", "q2"])
 
 
+@pytest.mark.slow
 def test_rows_scored_before_are_taken_for_the_same_policy_and_prompts_only(tiny, tokenizer, tmp_path):
     """A later evaluation takes a policy's generations from the one that scored them where both name the same
     policy and settings (`scored_by`) on the same prompts: what it would have generated again, as here."""
@@ -461,6 +463,7 @@ def test_rows_scored_before_are_taken_for_the_same_policy_and_prompts_only(tiny,
     assert again._generator is not None and "generations_reused" not in metrics
 
 
+@pytest.mark.slow
 def test_an_evaluation_stopped_part_way_generates_only_the_rows_it_had_not(tiny, tokenizer, tmp_path):
     """Each greedy row is written to `evaluate.generations_dir` as it ends; a run stopped part-way (here: the file as
     a kill leaves it, the first rows whole and the last cut mid-line) takes those on the next run, generates the

@@ -61,6 +61,7 @@ def _assert_transformers_agrees(model, folder):
     )
 
 
+@pytest.mark.slow
 def test_full_fine_tune_exports_a_folder_transformers_loads(gemma_dir, tmp_path):
     mesh = make_mesh(MESH)
     model, tokenizer = load_pretrained(gemma_dir, mesh)
@@ -74,6 +75,7 @@ def test_full_fine_tune_exports_a_folder_transformers_loads(gemma_dir, tmp_path)
     _assert_transformers_agrees(model, out)
 
 
+@pytest.mark.slow
 def test_lora_training_updates_only_adapters_and_exports_merged(gemma_dir, tmp_path):
     mesh = make_mesh(MESH)
     model, _ = load_model(gemma_dir, mesh)
@@ -99,6 +101,7 @@ def test_lora_training_updates_only_adapters_and_exports_merged(gemma_dir, tmp_p
     _assert_transformers_agrees(model, out)
 
 
+@pytest.mark.slow
 def test_qlora_trains_on_an_nf4_base(gemma_dir, tmp_path):
     mesh = make_mesh(MESH)
     model, _ = load_model(gemma_dir, mesh)

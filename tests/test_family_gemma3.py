@@ -85,6 +85,7 @@ def test_gemma3_left_padded_batch_matches_transformers(tmp_path):
     np.testing.assert_allclose(ours[real], theirs[real], atol=logits_atol(folder, theirs[real]), rtol=0)
 
 
+@pytest.mark.slow
 def test_gemma3_greedy_generation_matches_transformers(tmp_path):
     folder = save_hf_model(_config(num_hidden_layers=2, layer_types=PATTERN[:2]), tmp_path / "gemma3")
     assert_greedy_match(folder, sample_batch(256)[0][0, :5])

@@ -153,6 +153,7 @@ def test_metric_listener_scope_removes_what_it_added():
 
 
 # ---------------------------------------------------------------- short runs
+@pytest.mark.slow
 def test_grpo_full_weights_trains_checkpoints_and_resumes(tiny_model_dir, tokenizer, formatted, tmp_path, monkeypatch):
     from tunix_pipeline import upstream
     from tunix_pipeline.models import load_model
@@ -207,6 +208,7 @@ def test_grpo_full_weights_trains_checkpoints_and_resumes(tiny_model_dir, tokeni
     assert again["train_seconds"] == pytest.approx(resumed["train_seconds"] + again["seconds_this_run"])
 
 
+@pytest.mark.slow
 def test_grpo_with_lora_trains_only_adapters_without_a_reference(tiny_model_dir, tokenizer, formatted, tmp_path):
     from tunix_pipeline.models import apply_lora, load_model
 
@@ -225,6 +227,7 @@ def test_grpo_with_lora_trains_only_adapters_without_a_reference(tiny_model_dir,
     assert any(not np.allclose(adapters[k], new_adapters[k]) for k in adapters)  # moved by ~lr, far past 1e-5
 
 
+@pytest.mark.slow
 def test_micro_batches_make_the_same_step_as_the_whole_batch(tiny_model_dir, tokenizer, formatted, tmp_path):
     """4 prompts x 2 completions: log-probs and gradients over micro-batches of 2 prompts, accumulated,
     against all 8 completions at once. Generation runs the whole batch either way (same completions)."""
@@ -307,6 +310,7 @@ def test_grpo_weight_decay_reaches_matrices_only(tiny_model_dir, tmp_path):
     assert all(m > 0 for m in matrices.values()), matrices
 
 
+@pytest.mark.slow
 def test_grpo_dev_eval_keeps_the_best_step(tiny_model_dir, tokenizer, formatted, tmp_path, monkeypatch):
     from tunix_pipeline.evaluate import evaluation
     from tunix_pipeline.evaluate.dev_eval import DevEval
@@ -340,6 +344,7 @@ def test_grpo_dev_eval_keeps_the_best_step(tiny_model_dir, tokenizer, formatted,
     assert not all(np.array_equal(at_step[1][k], v) for k, v in _weights(fresh).items())
 
 
+@pytest.mark.slow
 def test_the_prompt_filter_keeps_the_prompts_whose_samples_score_differently(tiny_model_dir, tokenizer, formatted,
                                                                             tmp_path, monkeypatch):
     from tunix_pipeline.core.paths import storage_path
@@ -413,6 +418,7 @@ def test_a_prompt_is_kept_when_some_samples_are_right_and_some_not():
     assert kept.tolist() == [False, True, False, True, False] and never.tolist() == [True, False, False, False, False]
 
 
+@pytest.mark.slow
 def test_grpo_trains_on_the_prompts_the_filter_kept(tiny_model_dir, tokenizer, formatted, tmp_path):
     from tunix_pipeline.models import load_model
 

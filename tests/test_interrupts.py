@@ -194,6 +194,7 @@ except ProcessesOutOfStep as err:
 """
 
 
+@pytest.mark.slow
 def test_a_multi_host_barrier_that_another_process_never_reaches_ends_within_its_limit():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -131,6 +131,7 @@ def test_a_judge_takes_the_last_devices_and_the_policy_the_rest():
         judge_lib.meshes(RuntimeParams(), [RewardParams(fn="judge", judge={**judge_params, "devices": 8})])
 
 
+@pytest.mark.slow
 def test_grpo_with_a_judge_on_its_own_devices_logs_its_scores_and_time(tiny_model_dir, tokenizer, tmp_path):
     from tunix_pipeline.models import load_model
     from tunix_pipeline.train import grpo
@@ -155,6 +156,7 @@ def test_grpo_with_a_judge_on_its_own_devices_logs_its_scores_and_time(tiny_mode
     assert all(h["judge/rubric/seconds"] > 0 and h["judge/rubric/malformed"] == 0 for h in result["history"])
 
 
+@pytest.mark.slow
 def test_preference_pairs_ranked_by_a_judge_sharing_the_policys_devices(tiny_model_dir, tokenizer, tmp_path):
     """`preference.from_rewards.rewards` with a judge: every sample judged once, pairs ordered by its score."""
     from tunix_pipeline.config import PreferenceParams

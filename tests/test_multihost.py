@@ -168,6 +168,7 @@ except FolderNotShared as err:
 """
 
 
+@pytest.mark.slow
 def test_checkpoint_folders_are_checked_to_be_one_folder_on_every_process(tmp_path):
     runs = _two_scripts(SHARED, str(tmp_path), str(Path(__file__).parents[1]))
     assert [status for status, _, _ in runs] == [0, 0], runs

@@ -50,6 +50,7 @@ def model_for(name: str, lora: bool):
     return apply_lora(model, LoraParams(rank=2, alpha=4.0)) if lora else model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, lora", [(n, False) for n in CONFIGS] + [("gemma3-final-softcap", True), ("qwen2", True)])
 def test_sft_loss_and_gradients_equal_the_whole_logits(name, lora):
     model = model_for(name, lora)
@@ -83,6 +84,7 @@ def preference_example(model):
     return preference._example(model, {k: jnp.asarray(v) for k, v in {**ids, **masks}.items()})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma2-final-softcap", "llama-untied", "qwen3-tied"])
 def test_preference_log_probs_and_gradients_equal_tunixs(name):
     model = tiny_model(name)

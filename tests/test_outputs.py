@@ -32,6 +32,7 @@ catalog.save("sft_result", {"history": list(range(5000)), "unserializable": obje
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hooked", [True, False])
 def test_a_run_killed_mid_save_leaves_the_previous_output(tmp_path, hooked):
     target = tmp_path / "06_models" / "sft_result.json"

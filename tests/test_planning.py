@@ -83,6 +83,7 @@ def test_layer_extrapolation_matches_compiling_every_layer():
     assert abs(extrapolated - whole) / whole < 0.05
 
 
+@pytest.mark.slow
 def test_a_program_compiled_before_is_read_back_with_its_figures(tmp_path):
     import jax
 
@@ -120,6 +121,7 @@ def test_a_program_compiled_before_is_read_back_with_its_figures(tmp_path):
         compiled_figures._IN_PROCESS.clear()
 
 
+@pytest.mark.slow
 def test_a_shipped_programs_figures_are_read_when_nothing_else_keeps_them(tmp_path, monkeypatch):
     # the shipped recipes' XLA:TPU programs come with their figures: read last, under the same key
     import jax
@@ -334,6 +336,7 @@ def _session(path, env=None, **runtime_params):
     return KedroSession.create(project_path=path, env=env, runtime_params=runtime_params or None)
 
 
+@pytest.mark.slow
 def test_the_plan_pipeline_writes_the_table_and_logs_it(project):
     # an earlier tokenize stage's report of this output root (the base length, 128): the plan reads its padding
     tokenized = {"max_length": 128, "examples_out": 400, "mean_length": 38.4, "padding_efficiency_unpacked": 0.3,

@@ -291,6 +291,7 @@ def test_tpu_fulls_grpo_update_is_estimated_within_10_percent_of_xla_tpu():
     assert abs(estimate / compiled["peak"] - 1) < 0.10
 
 
+@pytest.mark.slow
 def test_on_this_cpu_grpo_is_compiled_and_the_sft_preflight_stops_a_run_it_cannot_fit(tiny_model_dir):
     """Planned for the CPU it runs on, GRPO's two programs are XLA:CPU's own (the very programs of the run); the sft
     preflight plans its session's GRPO stage and stops before any training when a phase cannot fit, in one line

@@ -66,6 +66,7 @@ def test_judge_sources(tmp_path):
 
 
 # ---------------------------------------------------------------- lm-evaluation-harness
+@pytest.mark.slow
 def test_harness_tasks_are_looked_up_only_when_the_harness_is_on(tmp_path):
     check_harness(EvaluateParams(harness=HarnessParams(enabled=False, tasks=["gsm8kk"])))  # off: nothing looked up
     with pytest.raises(HarnessError) as err:

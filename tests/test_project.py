@@ -119,6 +119,7 @@ def test_an_environment_inherits_real_defaults_and_no_polish(tmp_path):
     assert smoke["preference"].enabled and smoke["preference"].learning_rate == 5e-4 and smoke["grpo"].enabled
 
 
+@pytest.mark.slow
 def test_a_failing_node_marks_the_mlflow_run_failed(project):
     (project / "conf" / "local" / "parameters.yml").write_text(
         "ingest:\n  sources:\n    - {name: missing, path: data/01_raw/nope.jsonl, format: gsm8k}\n"

@@ -177,6 +177,7 @@ def test_sessions_continue_on_new_data_with_lineage(project):
         run()
 
 
+@pytest.mark.slow
 def test_a_lora_run_starts_from_another_runs_adapters(tmp_path, tiny_model_dir, tokenizer, formatted):  # noqa: F811
     """`sft.init_from` with LoRA: the parent's trained adapters, the same frozen base; a full model refuses them."""
     from flax import nnx

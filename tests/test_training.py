@@ -149,6 +149,7 @@ def test_chunked_loss_and_its_gradient_equal_the_whole(tiny_model_dir, token_row
     _assert_gradients_close(g_chunked, g_whole, terms=batch["input_tokens"].size)
 
 
+@pytest.mark.slow
 def test_packed_rows_give_the_same_loss_as_unpacked(tiny_model_dir, tokenizer, formatted):
     model, _ = load_model(tiny_model_dir, None)
     plain, _ = tokenize_split(formatted, tokenizer, TokenizeParams(max_length=128))
@@ -231,6 +232,7 @@ def test_float32_weights_restore_into_a_bf16_model(tiny_model_dir, tmp_path):
         np.testing.assert_array_equal(restored, saved.astype(jnp.bfloat16))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora, remat", [(True, "none"), (False, "decoder")])
 def test_logged_mfu_is_the_plans_mfu_without_a_hand_set_peak(tiny_model_dir, token_rows, tmp_path, lora, remat):
     """`train/mfu` = the plan's FLOPs of a step (LoRA: 2 passes, remat: one more) / step time / the profile's peak;
@@ -294,6 +296,7 @@ def test_eval_loss_does_not_depend_on_batch_padding(tiny_model_dir, token_rows):
 
 
 # ---------------------------------------------------------------- training, checkpoints, resume
+@pytest.mark.slow
 def test_sft_trains_checkpoints_and_resumes_exactly(tiny_model_dir, token_rows, tmp_path, monkeypatch):
     mesh = make_mesh(MESH)
     straight, _ = load_model(tiny_model_dir, mesh)
@@ -371,6 +374,7 @@ def _adam_state(step_dir):
     return int(adam["count"]["value"]), {jax.tree_util.keystr(k): np.asarray(v) for k, v in flat}
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_larger_batch(tiny_model_dir, tmp_path):
     # Compares the gradient each optimizer step applies, not the weights after AdamW: Adam's first
     # update is about lr * sign(g), so rounding noise in a near-zero gradient moves a weight by up to lr.
@@ -395,6 +399,7 @@ def test_gradient_accumulation_matches_one_larger_batch(tiny_model_dir, tmp_path
     _assert_gradients_close(mu_b, mu_a, terms=8 * 24)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("corrupt", ["metadata and data", "one data file"])
 def test_corrupt_latest_checkpoint_is_set_aside(tiny_model_dir, token_rows, tmp_path, capfd, caplog, monkeypatch,
                                                 corrupt):
@@ -597,6 +602,7 @@ def test_warmup_must_fit_in_the_run(tmp_path):
 
 
 # ---------------------------------------------------------------- the dev split's score: keep the best step
+@pytest.mark.slow
 def test_the_sft_node_scores_the_dev_split_of_a_run_by_epochs(tiny_model_dir, token_rows, formatted, tmp_path):
     """`sft.epochs` (max_steps unset) trains, and with `sft.dev_eval` the node scores the dev split as it goes; only
     `max_steps: 0` trains nothing."""
@@ -615,6 +621,7 @@ def test_the_sft_node_scores_the_dev_split_of_a_run_by_epochs(tiny_model_dir, to
     assert [p["step"] for p in result["dev_curve"]] == [result["latest_step"]]  # scored at the last step
 
 
+@pytest.mark.slow
 def test_dev_eval_keeps_and_hands_on_the_best_step(tiny_model_dir, token_rows, formatted, tmp_path, monkeypatch):
     from tunix_pipeline.config import ExportParams, FormatParams, ModelParams
     from tunix_pipeline.evaluate import evaluation

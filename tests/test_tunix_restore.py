@@ -140,6 +140,7 @@ def test_full_weights_restore_into_tunix_gemma(tiny_model_dir, tmp_path):
         restore_full(gemma_lib.Gemma, gemma2_like, path, mesh)
 
 
+@pytest.mark.slow
 def test_lora_after_grpo_restores_onto_the_base_with_qwix(tiny_model_dir, tokenizer, tmp_path):
     """The hackathon's chain ends in GRPO on LoRA adapters: its checkpoint holds only the adapters."""
     trained, sft_result = _sft(tiny_model_dir, tmp_path, LORA)
@@ -208,6 +209,7 @@ FAMILIES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("family", "lora"), [("gemma3", None), ("gemma3", LORA), ("gemma2", LORA)],
                          ids=["gemma3-full", "gemma3-lora", "gemma2-lora"])
 def test_gemma2_and_gemma3_restore_into_tunix_own_classes(family, lora, tmp_path):

@@ -66,6 +66,7 @@ def test_every_location_setting_is_checked_with_its_section():
         validate_section({"runtime": {"output_root": "ftp://h/x"}}, "runtime", RuntimeParams)
 
 
+@pytest.mark.slow
 def test_sft_checkpoints_resume_restore_and_export_through_gs(bucket, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # where a mangled `gs:` folder would appear
     mesh = make_mesh(MESH)

@@ -15,6 +15,7 @@ from .test_training import MESH, formatted  # noqa: F401  (the fixture)
 pytest.importorskip("wandb")
 
 
+@pytest.mark.slow
 def test_training_curves_reach_mlflow_and_wandb(tmp_path, tiny_model_dir, tokenizer, formatted, monkeypatch):  # noqa: F811
     monkeypatch.setenv("WANDB_SILENT", "true")
     rows = tokenize_split(formatted, tokenizer, TokenizeParams(max_length=48))[0]
