@@ -31,8 +31,12 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
+from .xla_tpu_figures import seed
+
 ROOT = Path(__file__).resolve().parents[1]
 KEDRO = str(Path(sys.executable).parent / "kedro")
+# the XLA:TPU programs the tests compile, read back by their key where unchanged (tests/xla_tpu_figures.py)
+seed(Path(os.environ["JAX_COMPILATION_CACHE_DIR"]) / "xla-figures")
 
 
 def migrated_mlflow_store() -> Path:

@@ -128,7 +128,6 @@ def test_the_prompt_filters_screen_is_in_the_hours():
     assert "set grpo.max_prompts (or plan.train_rows) to time it" in _markdown(unknown)
 
 
-@pytest.mark.slow
 def test_grpo_compiles_for_a_kaggle_v5e_8():
     """Both programs of the Gemma-2-2B Kaggle recipe's GRPO, 3 of its 26 layers, compiled by XLA:TPU for v5e 2x4."""
     from tunix_pipeline.planning import grpo_xla
@@ -247,7 +246,6 @@ def test_the_old_decode_utilisation_is_one_line_naming_its_replacement():
         assert "\n" not in line and "decode_utilisation" in line and "decode_roofline_fraction" in line, line
 
 
-@pytest.mark.slow
 def test_gemma_3s_update_compiles_for_a_kaggle_v5e_8():
     """The Gemma-3-1B Kaggle recipe's GRPO update, one layer, compiled by XLA:TPU: with the output layer at the
     completion's positions, Tunix's logit slice as a prefix of the kept positions miscompiled there ("Bitcast
