@@ -5,8 +5,8 @@ lowered program's text, the compiler options, the devices and the JAX, jaxlib an
 The test set-up writes them into the run's figures folder before any test starts, so a test compiles a program
 only where it is not the one kept: a changed program, shape or compiler version misses its key and compiles as
 before (a minute or more each: Gemma-2B's step at one layer for the estimate's grid, GRPO's Gemma-2-2B and
-Gemma 3 programs), and a figure read back is the one XLA:TPU would give again. After changing what those tests compile, run them with an
-empty cache and keep what they compiled:
+Gemma 3 programs), and a figure read back is the one XLA:TPU would give again. After changing what those tests
+compile, run them with an empty cache and keep what they compiled:
 
     JAX_COMPILATION_CACHE_DIR=$(mktemp -d) .venv/bin/python -m pytest tests/test_tpu_compile.py tests/test_planning_grpo.py
     .venv/bin/python -m tests.xla_tpu_figures <that folder>/xla-figures
