@@ -81,7 +81,7 @@ def worker(name: str, model_dir: str, steps: int, batch: int, seq: int) -> dict:
     from tunix_pipeline.models.loading import load_model
     from tunix_pipeline.core.runtime import make_mesh
     from tunix_pipeline.train.loss import loss_fn_for, model_inputs
-    from tunix_pipeline.train.optim import learning_rate_schedule, make_optimizer
+    from tunix_pipeline.train.loop import learning_rate_schedule, make_optimizer
 
     setting = SETTINGS[name]
     mesh = make_mesh(RuntimeParams(mesh="auto"), devices=jax.devices()[:1])

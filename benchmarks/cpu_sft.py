@@ -209,7 +209,7 @@ def worker_tunix_default(args) -> dict:
     from tunix_pipeline.models.architecture import model_flops_per_token
     from tunix_pipeline.core import progress
     from tunix_pipeline.train import loop
-    from tunix_pipeline.train.optim import make_optimizer
+    from tunix_pipeline.train.loop import make_optimizer
 
     _Recorder.events = []
     timer = common.CompileTimer()
@@ -267,7 +267,7 @@ def worker_torch(args) -> dict:
     from transformers import GemmaForCausalLM
 
     from tunix_pipeline.train import loop
-    from tunix_pipeline.train.optim import learning_rate_schedule
+    from tunix_pipeline.train.loop import learning_rate_schedule
 
     torch.manual_seed(0)
     threads = torch.get_num_threads()

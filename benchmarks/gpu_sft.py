@@ -129,7 +129,7 @@ def worker(args) -> dict:
     from tunix_pipeline.models.architecture import model_flops_per_token
     from tunix_pipeline.core import progress, runtime
     from tunix_pipeline.train import loop
-    from tunix_pipeline.train.optim import make_optimizer
+    from tunix_pipeline.train.loop import make_optimizer
     from tunix_pipeline.train.sft import train
 
     spec = GEMMA_2B if args.size == "2b" else common.GEMMA_TINY

@@ -6,7 +6,7 @@
 The model is the real Gemma 3 270M from the `gemma3-270m` extra (converted once to an fp32 folder under `--work`)
 with the recipe's LoRA (`conf/gemma3_270m_gsm8k_cpu`: rank 16, alpha 32). The rows are the recipe's: GSM8K's train
 split ingested, formatted with its instruction and packed to 512 tokens by the pipeline's own functions. The step
-is the trainer's (`train.loss.loss_fn_for`, `train.optim.make_optimizer`, the LoRA adapters differentiated) as one
+is the trainer's (`train.loss.loss_fn_for`, `train.loop.make_optimizer`, the LoRA adapters differentiated) as one
 `nnx.jit` program, on one CPU device.
 
 Also the process's resident memory after each stage (imports, data, the model, the compile, the steps: read from
@@ -128,7 +128,7 @@ def main() -> None:
     from tunix_pipeline.models import load_run_model, load_tokenizer, resolve_model_dir
     from tunix_pipeline.core.runtime import make_mesh
     from tunix_pipeline.train.loss import loss_fn_for, model_inputs
-    from tunix_pipeline.train.optim import make_optimizer
+    from tunix_pipeline.train.loop import make_optimizer
 
     machine = common.machine()
     resident = {"imports": resident_gib()}

@@ -16,7 +16,6 @@ from tunix_pipeline.generate import generation
 from tunix_pipeline.core.runtime import make_mesh
 from tunix_pipeline.train import grpo
 from tunix_pipeline.train.loop import frozen_copy
-from tunix_pipeline.upstream.rl import algorithm
 
 MESH = RuntimeParams(mesh={"fsdp": 4, "tp": 2})
 
@@ -106,7 +105,7 @@ def test_prompts_that_do_not_fit_are_skipped_and_counted(formatted, tokenizer, c
     [("grpo", 0.04, "grpo"), ("dr-grpo", 0.0, "drgrpo"), ("dapo", 0.0, "grpo")],
 )
 def test_loss_variants_map_to_tunix_learners(tmp_path, variant, beta, estimator):
-    config, learner = algorithm(_params(tmp_path, loss_variant=variant, beta=beta, num_generations=4))
+    config, learner = upstream.algorithm(_params(tmp_path, loss_variant=variant, beta=beta, num_generations=4))
     assert config.advantage_estimator == estimator and config.num_generations == 4
     assert config.beta == beta  # dapo: 0.0, so Tunix skips the reference pass
     assert learner.__name__ == {"grpo": "GRPOLearner", "dr-grpo": "DrGRPOLearner", "dapo": "DAPOLearner"}[variant]
@@ -291,7 +290,7 @@ def test_export_ships_grpo_only_when_it_ran_from_the_current_sft_checkpoint(capl
 def test_grpo_weight_decay_reaches_matrices_only(tiny_model_dir, tmp_path):
     """GRPO builds the SFT optimizer: with weight_decay > 0 a zero gradient moves matrices, never norms."""
     from tunix_pipeline.models import load_model
-    from tunix_pipeline.train.optim import make_optimizer
+    from tunix_pipeline.train.loop import make_optimizer
 
     model, _ = load_model(tiny_model_dir, None)
     # every weight away from 0, so decay would move any leaf it reached (Gemma's norm scales start at 0)

@@ -107,3 +107,21 @@ def test_a_weight_missing_from_the_checkpoint_is_named(tmp_path):
     (folder / "config.json").write_text(json.dumps({**hf, "tie_word_embeddings": False}))
     with pytest.raises(ModelError, match="no weights for lm_head"):
         load_model(folder, None)
+
+
+def test_a_loaded_models_training_flops_follow_its_own_remat_and_lora(tiny_model_dir):
+    """What the throughput lines count per token: the plan's count for the model as the run built it."""
+    from tunix_pipeline.config import LoraParams
+    from tunix_pipeline.models import load_run_model
+    from tunix_pipeline.models.architecture import from_tunix_config, model_flops_per_token
+
+    mesh = make_mesh(RuntimeParams(mesh={"fsdp": 4, "tp": 2}))
+    plain, _ = load_model(tiny_model_dir, mesh)
+    recomputed, _ = load_model(tiny_model_dir, mesh, remat="decoder")
+    arch = from_tunix_config(plain.config)
+    assert model_flops_per_token(plain, 64) == arch.train_flops_per_token(64, "full", "none")
+    # a second forward pass: 4 passes of the layers where 3 were counted
+    assert model_flops_per_token(recomputed, 64) == pytest.approx(model_flops_per_token(plain, 64) * 4 / 3)
+    lora, _ = load_run_model(tiny_model_dir, ModelParams(source=str(tiny_model_dir), lora=LoraParams(rank=4)), mesh,
+                             remat="attention")
+    assert model_flops_per_token(lora, 64) == arch.train_flops_per_token(64, "lora", "attention")

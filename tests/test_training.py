@@ -23,7 +23,7 @@ from tunix_pipeline.core.runtime import MeshError, global_batch_size, make_mesh,
 from tunix_pipeline.train.checkpoints import HISTORY_FILE, SECONDS_FILE, TrainClock, load_history, restore_latest
 from tunix_pipeline.train.loop import BatchFeed
 from tunix_pipeline.train.loss import completion_loss, model_inputs
-from tunix_pipeline.train.optim import make_optimizer
+from tunix_pipeline.train.loop import make_optimizer
 from tunix_pipeline.train.sft import train
 
 from .conftest import ROOT

@@ -295,7 +295,9 @@ def source_is_path_like(source: str) -> bool:
     return source.startswith((".", "/", "data/", "kaggle:")) or source.count("/") != 1
 
 
-def model_flops_per_token(model, seq_len: int, remat: str = "none") -> float:
-    """The plan's count (`Architecture.train_flops_per_token`) for this loaded model: LoRA, remat, attention."""
+def model_flops_per_token(model, seq_len: int) -> float:
+    """The plan's count (`Architecture.train_flops_per_token`) for this loaded model: LoRA, remat (its config's,
+    as the run built it), attention."""
     mode = "lora" if sft_utils.is_lora_enabled(model) else "full"
-    return from_tunix_config(model.config).train_flops_per_token(seq_len, mode, remat)
+    remat = getattr(getattr(model.config, "remat_config", None), "name", "NONE")
+    return from_tunix_config(model.config).train_flops_per_token(seq_len, mode, "none" if remat == "NONE" else remat)

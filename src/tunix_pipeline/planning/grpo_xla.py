@@ -41,9 +41,8 @@ from tunix_pipeline.planning import judge as judge_lib
 from tunix_pipeline.planning.grpo_shapes import decode_program_bytes, rollout_setup, update_setup
 from tunix_pipeline.planning.memory import GIB, TrainSetup, estimate_memory
 from tunix_pipeline.planning.xla import abstract, abstract_policy, measure
-from tunix_pipeline.train.optim import make_optimizer
-from tunix_pipeline.upstream import accelerator_sharding, completion_logits_only
-from tunix_pipeline.upstream.rl import algorithm
+from tunix_pipeline.train.loop import make_optimizer
+from tunix_pipeline.upstream import accelerator_sharding, algorithm, completion_logits_only
 
 
 def _rows(mesh, sequences: int, shape: tuple, dtype):

@@ -60,7 +60,7 @@ from tunix_pipeline.models.lora import apply_lora
 from tunix_pipeline.planning import compiled_figures
 from tunix_pipeline.planning.memory import TrainSetup
 from tunix_pipeline.train.loss import loss_fn_for, model_inputs
-from tunix_pipeline.train.optim import make_optimizer
+from tunix_pipeline.train.loop import make_optimizer
 from tunix_pipeline.upstream import accelerator_sharding
 
 log = logging.getLogger(__name__)

@@ -217,14 +217,16 @@ def remember_run(folder: epath.Path) -> None:
     (folder / RUN_FILE).write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": mlflow.get_tracking_uri()}))
 
 
-def record_lineage(lineage: Mapping, checkpoint_dir: epath.Path | None) -> None:
-    """A training stage's start on the active run (process 0's): its lineage (`sft.init_from`'s parent) as
-    `lineage.*` tags, and the run recorded beside `checkpoint_dir` (None: nothing is trained there this session)."""
-    if mlflow.active_run() is None:
-        return
-    set_tags({f"lineage.{k}": v for k, v in lineage.items()})
-    if checkpoint_dir is not None:
-        remember_run(checkpoint_dir)
+def record_lineage(lineage: Mapping, parent: epath.Path | None, checkpoint_dir: epath.Path | None) -> dict:
+    """A training stage's start: its lineage (`sft.init_from`'s `parent` folder, None: none) with the parent's MLflow
+    run, returned and, on the active run (process 0's), set as `lineage.*` tags; this run recorded beside
+    `checkpoint_dir` (None: nothing is trained there this session)."""
+    lineage = {**lineage, "parent_run_id": recorded_run(parent)} if parent is not None else dict(lineage)
+    if mlflow.active_run() is not None:
+        set_tags({f"lineage.{k}": v for k, v in lineage.items()})
+        if checkpoint_dir is not None:
+            remember_run(checkpoint_dir)
+    return lineage
 
 
 def recorded_run(folder: epath.Path, uri: str | None = None) -> str | None:

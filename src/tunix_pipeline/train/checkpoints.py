@@ -21,7 +21,6 @@ from tunix.sft import utils as sft_utils
 
 from tunix_pipeline.core.errors import ModelError, UserError
 from tunix_pipeline.core.processes import barrier
-from tunix_pipeline.tracking.mlflow_runs import recorded_run
 from tunix_pipeline.upstream import loops_finish_their_tasks, pending_loss
 
 log = logging.getLogger(__name__)
@@ -128,9 +127,9 @@ def start_from(model, parent: epath.Path, checkpoint_dir: epath.Path) -> dict:
     new run on its weights, `sft.init_from`).
 
     Skipped when this run has checkpoints of its own: it was interrupted, and the
-    trainer resumes those. Returns the lineage: parent checkpoint, step and MLflow run.
+    trainer resumes those. Returns the lineage: parent checkpoint and step.
     """
-    lineage = {"parent_checkpoint": str(parent), "parent_run_id": recorded_run(parent)}
+    lineage = {"parent_checkpoint": str(parent)}
     best = dev_selected_step(parent) if parent.is_dir() else None
     if best is not None:
         lineage["parent_best_step"] = best

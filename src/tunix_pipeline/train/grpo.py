@@ -42,11 +42,9 @@ from tunix_pipeline.generate.generation import (
 )
 from tunix_pipeline.stages import StageResult
 from tunix_pipeline.train import checkpoints
-from tunix_pipeline.train.loop import frozen_copy, stop_on_signals
-from tunix_pipeline.train.optim import make_optimizer
+from tunix_pipeline.train.loop import frozen_copy, make_optimizer, stop_on_signals
 from tunix_pipeline.train.rewards import REWARD_COLUMNS, RewardSet
 from tunix_pipeline.train.skips import NothingToLearn
-from tunix_pipeline.upstream.rl import algorithm
 
 log = logging.getLogger(__name__)
 HISTORY_FILE = "grpo_history.json"
@@ -138,7 +136,7 @@ def train_grpo(
     if params.prompt_filter is not None:  # sampled from the starting policy, before a GRPO checkpoint restores
         rows, screen = filtered_prompts(model, tokenizer, rows, rewards, params, mesh, root, decode_weights)
     rollout = _rollout_config(params, tokenizer)
-    algo_config, learner_cls = algorithm(params)
+    algo_config, learner_cls = upstream.algorithm(params)
     cluster_config = _cluster_config(params, mesh, root, checkpoints.logger_options(root, metrics_backends), rollout,
                                      gathers_weights(decode_weights, model), dev)
     # the reference is the SFT policy as it is now, before any GRPO checkpoint is restored into the actor

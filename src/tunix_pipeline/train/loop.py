@@ -3,7 +3,8 @@
   the batches an uninterrupted run would (Tunix itself replays the iterator and skips), each process reads only
   its share, and SIGTERM, Ctrl-C (SIGINT) or the session budget (`StepClock`) end the run with a checkpoint;
 - the trainer restored from the latest good checkpoint (a corrupt latest one is set aside for the previous one,
-  in `checkpoints`), run to its last step (`fit`) and summed up (`end_run`): steps, useful tokens/s, time.
+  in `checkpoints`), run to its last step (`fit`) and summed up (`end_run`): steps, useful tokens/s, time;
+- the optimizer every training stage builds (`make_optimizer`): schedule, weight decay, clipping.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 
 import jax
 import numpy as np
+import optax
 import pandas as pd
 import psutil
 from etils import epath
@@ -27,7 +29,6 @@ from tunix_pipeline.core.processes import barrier
 from tunix_pipeline.core.runtime import BATCH_AXES, MeshError
 from tunix_pipeline.data.tokenization import token_arrays
 from tunix_pipeline.train import checkpoints
-from tunix_pipeline.train.optim import make_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +275,41 @@ def end_run(feed: BatchFeed, stage: str, figures: dict, max_steps: int, budget_h
         log.warning("stopped %s at step %d of %d to save within the %s h session budget (checkpoint in %s); "
                     "rerun the same command to continue", stage, figures["latest_step"], max_steps, budget_hours,
                     figures["checkpoint_dir"])
+
+
+# ---------------------------------------------------------------- the optimizer of every training stage
+# (SFT, preference, GRPO), from the `OptimizerSettings` keys each stage's section has (`sft.learning_rate`,
+# `grpo.weight_decay`, ...): a change to the optimizer (the schedule, what decays) is made here once
+def learning_rate_schedule(opt: OptimizerSettings, max_steps: int) -> optax.Schedule:
+    """Linear warmup from 0, then cosine (to 10% of the peak), linear (to 0) or constant, over `max_steps`."""
+    warmup = optax.linear_schedule(0.0, opt.learning_rate, opt.warmup_steps)
+    rest = max_steps - opt.warmup_steps
+    if opt.schedule == "cosine":
+        after = optax.cosine_decay_schedule(opt.learning_rate, rest, alpha=0.1)
+    elif opt.schedule == "linear":
+        after = optax.linear_schedule(opt.learning_rate, 0.0, rest)
+    else:
+        after = optax.constant_schedule(opt.learning_rate)
+    return optax.join_schedules([warmup, after], [opt.warmup_steps]) if opt.warmup_steps else after
+
+
+def decay_mask(params):
+    """Weight decay on matrices only: not on norms, biases or other vectors."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(opt: OptimizerSettings, max_steps: int) -> optax.GradientTransformation:
+    def build(learning_rate):
+        if opt.optimizer == "adamw":
+            core = optax.adamw(learning_rate, weight_decay=opt.weight_decay, mask=decay_mask, mu_dtype=opt.mu_dtype)
+        else:
+            core = optax.adafactor(learning_rate, weight_decay_rate=opt.weight_decay or None, weight_decay_mask=decay_mask)
+        if opt.max_grad_norm is None:
+            return core
+        return optax.chain(optax.clip_by_global_norm(opt.max_grad_norm), core)
+
+    # inject_hyperparams lets Tunix read and log the learning rate every step
+    return optax.inject_hyperparams(build)(learning_rate=learning_rate_schedule(opt, max_steps))
 
 
 # ---------------------------------------------------------------- a Tunix trainer, as SFT and preference set it up

@@ -62,10 +62,12 @@ def train(
     `sft.init_from`, starts from the parent run's checkpoint (the lineage is in the result, and on the active MLflow
     run). `dev`: a `dev_eval.DevEval` (`sft.dev_eval`) scoring the dev split as it goes and keeping the best step, or
     None. With `sft.max_steps: 0` nothing is trained and the parent's checkpoint is the result."""
-    ckpt_dir = storage_path(sft.checkpoint_dir)  # once, here; a gs:// URI reaches Orbax as it is
-    lineage = checkpoints.start_from(model, storage_path(sft.init_from), ckpt_dir) if sft.init_from else {}
+    # the folders as paths once, here; a gs:// URI reaches Orbax as it is
+    ckpt_dir = storage_path(sft.checkpoint_dir)
+    parent = storage_path(sft.init_from) if sft.init_from else None
     trains = sft.max_steps != 0  # by steps, or by epochs (None)
-    record_lineage(lineage, ckpt_dir if trains else None)
+    lineage = record_lineage(checkpoints.start_from(model, parent, ckpt_dir) if parent else {}, parent,
+                             ckpt_dir if trains else None)
     batch_size = global_batch_size(sft, mesh)
     if not trains:
         return _parent_passed_on(lineage, sft, batch_size)
@@ -76,7 +78,7 @@ def train(
     sft = sft.steps_for(len(train_rows), batch_size)  # sft.epochs -> max_steps, now that the rows are known
     if sft.eval_every and len(eval_rows):
         feed.with_eval(eval_batches(eval_rows, batch_size, local))
-    flops_per_token = model_flops_per_token(model, seq_len, sft.remat)
+    flops_per_token = model_flops_per_token(model, seq_len)
 
     with upstream.scalar_listeners_scope(), mesh:
         trainer = _trainer(model, sft, mesh, checkpoints.logger_options(ckpt_dir, metrics_backends), ckpt_dir, dev)

@@ -22,10 +22,11 @@ from flax import nnx
 from jax._src import monitoring
 from jax.interpreters import pxla
 from tunix.rl import common
-from tunix.rl.grpo import dapo_learner
+from tunix.rl.grpo import dapo_learner, drgrpo_learner, grpo_learner
 from tunix.sft import peft_trainer
 from tunix.sft.dpo import dpo_trainer
 
+from tunix_pipeline.config import GrpoParams
 from tunix_pipeline.core.runtime import shard_rows, step_compiler_options
 from tunix_pipeline.tracking.step_metrics import MlflowBackend
 from tunix_pipeline.upstream.event_loops import loops_finish_their_tasks  # noqa: F401
@@ -166,6 +167,18 @@ def move_rollout_seed(rollout_config, seed: int) -> None:
 
 
 # ---------------------------------------------------------------- DAPO: reference log-probs without a KL term, …
+def algorithm(params: GrpoParams):
+    """(Tunix algorithm config, learner class) for `grpo.loss_variant`, chosen by name as Tunix's own
+    `function_registry` chooses losses."""
+    common = dict(num_generations=params.num_generations, num_iterations=params.num_iterations, epsilon=params.epsilon)
+    if params.loss_variant == "grpo":
+        return grpo_learner.GRPOConfig(beta=params.beta, **common), grpo_learner.GRPOLearner
+    if params.loss_variant == "dr-grpo":
+        return drgrpo_learner.DrGRPOConfig(beta=params.beta, **common), drgrpo_learner.DrGRPOLearner
+    epsilon_high = params.epsilon_high if params.epsilon_high is not None else 0.28
+    return dapo_config(epsilon_high, **common), dapo_learner.DAPOLearner
+
+
 def dapo_config(epsilon_high: float, **common):
     """Tunix's `DAPOConfig` without the overlong shaping (it counts characters; the `length_penalty` reward is the
     knob) and with `beta = 0.0`: Tunix computes reference log-probs whenever `beta != 0.0`, true for DAPO's None,
