@@ -1,4 +1,4 @@
-"""The whole default DAG as two `kedro run` processes of 4 CPU devices joined by `runtime.distributed`.
+"""The whole DAG, DPO included, as two `kedro run` processes of 4 CPU devices joined by `runtime.distributed`.
 
 As on a pod: each process has its own output root (a worker's disk), the checkpoints and the
 MLflow store are shared. Its export is compared with one process of 8 devices exporting the
@@ -29,9 +29,9 @@ from tunix_pipeline.core.runtime import orbax_folders
 from .conftest import ROOT, copy_project
 
 KEDRO = str(Path(sys.executable).parent / "kedro")
-# the shortest run that still goes through every stage: SFT, evaluation, one GRPO step, export
+# the shortest run that still goes through every stage: SFT, evaluation, DPO (`PREFERENCE`), one GRPO step, export
 SHORT = ("sft.max_steps=4,sft.warmup_steps=1,sft.checkpoint_every=2,grpo.max_steps=1,"
-         "grpo.max_completion_length=16,evaluate.num_prompts=8,evaluate.max_new_tokens=16,preference.enabled=false")
+         "grpo.max_completion_length=16,evaluate.num_prompts=8,evaluate.max_new_tokens=16")
 
 
 def _free_port() -> int:
@@ -69,31 +69,29 @@ def _finish(*processes: subprocess.Popen) -> list[str]:
 
 
 @pytest.mark.slow
-def test_two_kedro_processes_run_the_whole_dag_and_export_what_one_process_exports(tmp_path):
+def test_two_kedro_processes_run_the_whole_dag_with_dpo_and_export_what_one_process_exports(tmp_path):
+    """Every stage as one global computation: SFT, DPO on pairs from a file, evaluation, one GRPO step, export; DPO's
+    checkpoint written once into the shared folder and resumed by both processes."""
     project = copy_project(tmp_path / "project")
     shared = tmp_path / "shared"
-    port = _free_port()
+    pairs = _pairs_file(tmp_path / "pairs.jsonl", 64)
+    (project / "conf" / "local" / "parameters_preference.yml").write_text(
+        PREFERENCE.replace("PAIRS", str(pairs)).replace("SHARED", str(shared)))
     common = (f"{SHORT},sft.checkpoint_dir={shared}/sft,grpo.checkpoint_dir={shared}/grpo,"
               f"tracking.tracking_uri=sqlite:///{shared}/mlflow.db")
-    logs = _finish(*[
-        _kedro(project, 4, f"{common},runtime.output_root={tmp_path}/host{i},"
-               f"runtime.distributed.coordinator_address=127.0.0.1:{port},"
-               f"runtime.distributed.num_processes=2,runtime.distributed.process_id={i}")
-        for i in range(2)
-    ])
+    logs = _two_processes(project, common)
 
-    assert all("grpo.checkpoint_dir, sft.checkpoint_dir: one folder on all 2 processes" in log for log in logs)
+    checked = "grpo.checkpoint_dir, preference.checkpoint_dir, sft.checkpoint_dir: one folder on all 2 processes"
+    assert all(checked in log for log in logs)
     assert not list(shared.glob("*/.shared-check-*"))  # the check's files are gone
     host0, host1 = tmp_path / "host0", tmp_path / "host1"
+    _dpo_ran_as_one(host0, host1, shared)
     exported = json.loads((host0 / "06_models" / "exported_model.json").read_text())
     assert (exported["stage"], exported["checkpoint_step"]) == ("grpo", 1)
     # only process 0 writes the export; the other process went through the same node with it
     assert (host0 / "06_models" / "exported" / "model.safetensors").is_file()
     assert not (host1 / "06_models" / "exported").exists()
     assert json.loads((host1 / "06_models" / "exported_model.json").read_text())["stage"] == "grpo"
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{shared}/mlflow.db")
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    assert [r.info.status for r in runs] == ["FINISHED"]
 
     # one process of 8 devices exports the same checkpoints (the two-process run's stage results)
     single = tmp_path / "single"
@@ -106,6 +104,38 @@ def test_two_kedro_processes_run_the_whole_dag_and_export_what_one_process_expor
     assert sorted(p.name for p in one.iterdir()) == sorted(p.name for p in two.iterdir())
     for path in one.iterdir():
         assert path.read_bytes() == (two / path.name).read_bytes(), path.name
+
+    # both processes restore DPO's step 4 from the shared folder and go on to step 6
+    first = json.loads((host0 / "06_models" / "preference_result.json").read_text())
+    _two_processes(project, f"{common},preference.max_steps=6", "--from-nodes=run_preference",
+                   "--to-nodes=run_preference")
+    resumed = [json.loads((tmp_path / f"host{i}" / "06_models" / "preference_result.json").read_text())
+               for i in range(2)]
+    assert [(r["resumed_from_step"], r["latest_step"]) for r in resumed] == [(4, 6), (4, 6)]
+    assert resumed[0]["history"][:4] == first["history"] and resumed[1]["history"] == resumed[0]["history"]
+
+
+def _dpo_ran_as_one(host0: Path, host1: Path, shared: Path) -> None:
+    results = [json.loads((host / "06_models" / "preference_result.json").read_text()) for host in (host0, host1)]
+    first, other = results
+    assert (first["processes"], first["mesh"], first["latest_step"]) == (2, {"data": 1, "fsdp": 4, "tp": 2}, 4)
+    assert first["global_batch_size"] == 4  # a pair for each of the 4 data-parallel devices
+    assert first["heldout_pair_accuracy_before"] == 0.5 and first["eval_pairs"] == 16
+    # one global computation: every process reports the same losses, rewards and held-out accuracy, bit for bit
+    assert other["history"] == first["history"] and len(first["history"]) == 4
+    assert other["heldout_pair_accuracy"] == first["heldout_pair_accuracy"]
+    assert first["history"][-1]["rewards/margin"] > 0
+    metrics = [json.loads((host / "08_reporting" / "preference_eval_metrics.json").read_text()) for host in (host0, host1)]
+    assert metrics[0]["preference"]["checkpoint_step"] == 4 and metrics[0]["preference"] == metrics[1]["preference"]
+    # Orbax wrote each kept step once into the one shared folder; nothing half-written is left
+    assert sorted(p.name for p in (shared / "preference").iterdir() if p.name.isdigit()) == ["2", "4"]
+    assert not [p for p in (shared / "preference").rglob("*") if "tmp" in p.name]
+    # process 0 alone logs to MLflow: one run, finished, the held-out pair accuracy once before and once after
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{shared}/mlflow.db")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FINISHED"
+    accuracy = client.get_metric_history(run.info.run_id, "preference/eval/pair_accuracy")
+    assert [(m.step, m.value) for m in accuracy] == [(0, 0.5), (4, first["heldout_pair_accuracy"])]
 
 
 # process 0 fails to write: both processes leave the call failing, neither goes on alone
@@ -264,47 +294,3 @@ def _two_processes(project: Path, params: str, *args: str) -> list[str]:
                f"runtime.distributed.num_processes=2,runtime.distributed.process_id={i}", *args)
         for i in range(2)
     ])
-
-
-@pytest.mark.slow
-def test_two_processes_run_dpo_as_one_write_its_checkpoint_once_and_resume_it(tmp_path):
-    project = copy_project(tmp_path / "project")
-    shared = tmp_path / "shared"
-    pairs = _pairs_file(tmp_path / "pairs.jsonl", 64)
-    (project / "conf" / "local" / "parameters_preference.yml").write_text(
-        PREFERENCE.replace("PAIRS", str(pairs)).replace("SHARED", str(shared)))
-    common = (f"sft.max_steps=2,sft.warmup_steps=0,sft.checkpoint_every=2,sft.checkpoint_dir={shared}/sft,"
-              f"grpo.enabled=false,evaluate.num_prompts=4,evaluate.max_new_tokens=8,evaluate.loss_rows=2,"
-              f"tracking.tracking_uri=sqlite:///{shared}/mlflow.db")
-    logs = _two_processes(project, common, "--to-nodes=evaluate_after_preference")
-    assert all("preference.checkpoint_dir, sft.checkpoint_dir: one folder on all 2 processes" in log for log in logs)
-    results = [json.loads((tmp_path / f"host{i}" / "06_models" / "preference_result.json").read_text())
-               for i in range(2)]
-    first, other = results
-    assert (first["processes"], first["mesh"], first["latest_step"]) == (2, {"data": 1, "fsdp": 4, "tp": 2}, 4)
-    assert first["global_batch_size"] == 4  # a pair for each of the 4 data-parallel devices
-    assert first["heldout_pair_accuracy_before"] == 0.5 and first["eval_pairs"] == 16
-    # one global computation: every process reports the same losses, rewards and held-out accuracy, bit for bit
-    assert other["history"] == first["history"] and len(first["history"]) == 4
-    assert other["heldout_pair_accuracy"] == first["heldout_pair_accuracy"]
-    assert first["history"][-1]["rewards/margin"] > 0
-    metrics = [json.loads((tmp_path / f"host{i}" / "08_reporting" / "preference_eval_metrics.json").read_text())
-               for i in range(2)]
-    assert metrics[0]["preference"]["checkpoint_step"] == 4 and metrics[0]["preference"] == metrics[1]["preference"]
-    # Orbax wrote each kept step once into the one shared folder; nothing half-written is left
-    assert sorted(p.name for p in (shared / "preference").iterdir() if p.name.isdigit()) == ["2", "4"]
-    assert not [p for p in (shared / "preference").rglob("*") if "tmp" in p.name]
-    # process 0 alone logs to MLflow: one run, the held-out pair accuracy once before and once after
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{shared}/mlflow.db")
-    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    assert run.info.status == "FINISHED"
-    accuracy = client.get_metric_history(run.info.run_id, "preference/eval/pair_accuracy")
-    assert [(m.step, m.value) for m in accuracy] == [(0, 0.5), (4, first["heldout_pair_accuracy"])]
-
-    # both processes restore step 4 from the shared folder and go on to step 6
-    _two_processes(project, f"{common},preference.max_steps=6", "--from-nodes=run_preference",
-                   "--to-nodes=run_preference")
-    resumed = [json.loads((tmp_path / f"host{i}" / "06_models" / "preference_result.json").read_text())
-               for i in range(2)]
-    assert [(r["resumed_from_step"], r["latest_step"]) for r in resumed] == [(4, 6), (4, 6)]
-    assert resumed[0]["history"][:4] == first["history"] and resumed[1]["history"] == resumed[0]["history"]
