@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
 
-READINGS = {"answer_accuracy": "correct", "lenient_accuracy": "lenient_correct", "format_compliance": "well_formed"}
 
 
 def recipe_params(env: str, settings: str) -> dict:
@@ -66,7 +65,7 @@ def main() -> None:
     from tunix_pipeline.config import EvaluateParams, ModelParams, RuntimeParams
     from tunix_pipeline.core.runtime import make_mesh
     from tunix_pipeline.data.formatting import few_shot_label
-    from tunix_pipeline.evaluate.evaluation import Evaluator
+    from tunix_pipeline.evaluate.evaluation import READINGS, Evaluator
     from tunix_pipeline.evaluate.policies import scored_by
     from tunix_pipeline.models import load_run_model, load_tokenizer
 
