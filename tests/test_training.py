@@ -285,6 +285,40 @@ def test_logged_mfu_is_the_plans_mfu_without_a_hand_set_peak(tiny_model_dir, tok
     assert result["padding_fraction"] == pytest.approx(1 - sum(useful.values()) / (3 * slots))
 
 
+@pytest.mark.slow
+def test_a_lora_step_trains_its_adapters_and_leaves_the_frozen_weights_where_they_are(
+        tiny_model_dir, token_rows, tmp_path, monkeypatch):
+    """Tunix's `nnx.jit` step returns every variable of the model it is given: under LoRA each step wrote a new copy
+    of every frozen weight (the base model held twice at the step's peak). Ours takes them as an input only: the
+    same buffers after training, and the same losses and adapters as Tunix's own step, bitwise."""
+    from tunix_pipeline import upstream
+    from tunix_pipeline.config import LoraParams, ModelParams
+    from tunix_pipeline.models import load_run_model
+
+    model_params = ModelParams(source=str(tiny_model_dir), lora=LoraParams(rank=4, alpha=8.0))
+    mesh = make_mesh(MESH)
+
+    def run(name):
+        model, _ = load_run_model(tiny_model_dir, model_params, mesh)
+        frozen = nnx.state(model, upstream.FROZEN)
+        buffers = {s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(frozen) for s in x.addressable_shards}
+        result = train(model, token_rows, token_rows.head(0), _sft(tmp_path / name, max_steps=3), mesh)
+        after = {s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(nnx.state(model, upstream.FROZEN))
+                 for s in x.addressable_shards}
+        return result["history"], _params(model), buffers == after
+
+    built, jit = [], upstream.frozen_weights_in_only
+    monkeypatch.setattr(upstream, "frozen_weights_in_only", lambda *args: built.append(jit(*args)) or built[-1])
+    losses, weights, kept = run("ours")
+    assert len(built) == 1 and built[0].func.jitted_fn._cache_size() == 1  # compiled once, for every step
+    monkeypatch.setattr(upstream, "keep_frozen_weights_in", lambda trainer: None)  # Tunix's own jitted step
+    tunix_losses, tunix_weights, tunix_kept = run("tunix")
+    assert kept and not tunix_kept
+    assert losses == tunix_losses and len(losses) == 3
+    assert all(np.array_equal(weights[k], tunix_weights[k]) for k in weights)
+    assert any("lora" in k for k in weights)
+
+
 def test_eval_loss_does_not_depend_on_batch_padding(tiny_model_dir, token_rows):
     mesh = make_mesh(MESH)
     model, _ = load_model(tiny_model_dir, mesh)

@@ -146,6 +146,7 @@ def train_grpo(
     with upstream.scalar_listeners_scope(), upstream.completion_logits_only(), mesh:
         cluster = rl_cluster_lib.RLCluster(actor=model, reference=reference, tokenizer=tokenizer,
                                            cluster_config=cluster_config)
+        upstream.keep_frozen_weights_in(cluster.actor_trainer)
         start_step = cluster.actor_trainer.train_steps
         history = checkpoints.load_history(root, start_step, HISTORY_FILE)
         if dev:  # its curve beside the reward history; the checkpoints it keeps are the actor's

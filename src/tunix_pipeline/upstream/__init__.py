@@ -52,14 +52,19 @@ def tunix_preprocess(params_module, cfg):
 # ---------------------------------------------------------------- The trainer's progress bar: … no throughput
 @functools.cache
 def trainer_class(base=None):
-    """`base` (Tunix's PeftTrainer or a subclass such as DPOTrainer) with three overrides:
+    """`base` (Tunix's PeftTrainer or a subclass such as DPOTrainer) with four overrides:
     - its jitted steps get `step_compiler_options()` (Tunix's jitted steps take no compiler options);
+    - under LoRA its train step takes the frozen weights as an input only (`keep_frozen_weights_in`);
     - each process's rows become one global batch on `data_mesh` before Tunix's `shard_input` sees them;
     - its progress bar shows useful and padded tokens/s once the throughput hook has logged them (the private
       `_tqdm_train_metrics`).
     """
     class Trainer(base or peft_trainer.PeftTrainer):
         data_mesh = None
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            keep_frozen_weights_in(self)
 
         def _prepare_inputs(self, batch):
             if self.data_mesh is not None and jax.process_count() > 1 and isinstance(batch, dict):
@@ -78,6 +83,56 @@ def trainer_class(base=None):
                 return super().jit_train_and_eval_step(skip_jit, cache_nnx_graph)
 
     return Trainer
+
+
+# ---------------------------------------------------------------- The train step donates the optimizer, not the model
+FROZEN = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))  # a LoRA model's base weights
+
+
+def frozen_weights_in_only(train_step, model, optimizer):
+    """`train_step(model, optimizer, inputs)` (Tunix's `_train_step`) jitted with the frozen weights as an input only:
+    `nnx.jit` returns every variable of the model it is given, so each step wrote a new copy of every frozen weight
+    (the whole base model, held twice at the step's peak). The optimizer's state is donated, as Tunix donates it.
+    Called as Tunix calls its jitted step: `step(inputs)`, with `step.func.jitted_fn` the compiled function."""
+    graph = nnx.graphdef((model, optimizer))
+
+    def step(frozen, opt_state, rest, inputs):
+        model, optimizer = nnx.merge(graph, frozen, opt_state, rest)
+        out = train_step(model, optimizer, inputs)
+        _, _, opt_state, rest = nnx.split((model, optimizer), FROZEN, nnx.optimizer.OptState, ...)
+        return out, opt_state, rest
+
+    # the updated state laid out as it came in (an equal layout under another spec is another program: Tunix's own
+    # step compiles twice), so one program serves every step
+    _, _, opt_state, rest = nnx.split((model, optimizer), FROZEN, nnx.optimizer.OptState, ...)
+    layout = jax.tree.map(lambda x: getattr(x, "sharding", None), (opt_state, rest))
+    jitted = jax.jit(step, donate_argnums=(1,), out_shardings=(None, *layout))
+
+    def call(inputs):
+        _, frozen, opt_state, rest = nnx.split((model, optimizer), FROZEN, nnx.optimizer.OptState, ...)
+        out, opt_state, rest = jitted(frozen, opt_state, rest, inputs)
+        nnx.update((model, optimizer), opt_state, rest)
+        return out
+
+    call.jitted_fn = jitted
+    return functools.partial(call)
+
+
+def keep_frozen_weights_in(trainer) -> None:
+    """A LoRA `trainer` (Tunix's PeftTrainer or a subclass: SFT's, DPO's, GRPO's actor, which `RLCluster` builds)
+    jits its train step with `frozen_weights_in_only`, under our compiler options."""
+    build = trainer.jit_train_and_eval_step
+
+    def jit_train_and_eval_step(skip_jit: bool = False, cache_nnx_graph: bool = False):
+        building = not skip_jit and trainer._jitted_train_step_fn is None
+        train_step, eval_step = build(skip_jit, cache_nnx_graph)
+        if building and trainer._lora_enabled:
+            with jit_with_options(step_compiler_options()):
+                train_step = trainer._jitted_train_step_fn = frozen_weights_in_only(
+                    trainer.create_train_step_fn(), trainer.model, trainer.optimizer)
+        return train_step, eval_step
+
+    trainer.jit_train_and_eval_step = jit_train_and_eval_step
 
 
 # ---------------------------------------------------------------- DPO trainer: no SimPO, no precomputed reference …
