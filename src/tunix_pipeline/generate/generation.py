@@ -129,8 +129,8 @@ class Generator:
         todo = [i for i, r in enumerate(rows) if r is None]
         before = self.resumed = len(rows) - len(todo)
         if before:
-            log.info("generate: %d of %d rows taken from %s (written by a run that stopped before its end)",
-                     before, len(rows), kept.path)
+            log.info("generate: %d of %d rows taken from %s (kept by an earlier run: one stopped part-way, or "
+                     "another that scored this policy)", before, len(rows), kept.path)
         report = Progress("generate", len(rows), start=before, bar=True, unit="row")
         started = time.perf_counter()
 
