@@ -70,6 +70,38 @@ def test_on_this_cpu_the_plan_rests_on_xla_cpus_figure_of_the_runs_own_step(mode
     assert "compiled by XLA:CPU for this CPU" in markdown(checked) and "(XLA:CPU's figure for the compiled step" in markdown(checked)
 
 
+def test_planned_on_this_cpu_the_devices_share_the_host_with_the_process_and_the_plan_says_its_peak():
+    """`plan.hardware: auto` on a CPU: the devices' programs get the host's memory less what the planning process
+    already holds (the runtime, the libraries, the data), and the plan says the process's resident peak."""
+    import psutil
+
+    from tunix_pipeline.planning.hardware import _host_memory_bytes
+    from tunix_pipeline.planning.plan import process_peak_gib
+
+    plan = _plan(ModelParams(), "auto")
+    s = plan.selected
+    held = psutil.Process().memory_info().rss / GIB
+    assert s.profile == "cpu" and 0.5 * held < s.hw.process_gib <= held
+    assert s.hw.memory_gib * s.hw.devices + s.hw.process_gib == pytest.approx(_host_memory_bytes() / GIB)
+    summary = plan.summary()
+    assert summary["process_peak_gib"] == process_peak_gib(s.hw, s.peak) == pytest.approx(
+        s.hw.process_gib + s.hw.devices * s.peak / GIB, abs=1e-3)
+    assert f"the process held {s.hw.process_gib:.2f} GiB of the host when planned" in markdown(plan)
+    # GRPO's too: the larger of its phases beside what the process held
+    from tunix_pipeline.config import GrpoParams
+    from tunix_pipeline.planning import PlannedStage, stage_planning
+    from tunix_pipeline.stages import GRPO
+
+    grpo = GrpoParams(enabled=True, max_steps=2, batch_size=8, num_generations=4, max_prompt_length=64,
+                      max_completion_length=64, checkpoint_every=1)
+    g = stage_planning(GRPO).add_stage(plan, PlannedStage(grpo), ModelParams(), PLAN.model_copy(
+        update={"hardware": "auto"}), RuntimeParams(mesh="auto")).polish[GRPO.name]["selected"]
+    assert g["process_peak_gib"] == pytest.approx(
+        s.hw.process_gib + s.hw.devices * max(g["update_gib"], g["generation_gib"]), abs=0.01)
+    # a profile named with its memory is taken as it is: no process beside it
+    assert _plan(ModelParams(), "cpu").summary()["process_peak_gib"] is None
+
+
 def test_the_estimate_agrees_with_xla_for_a_gemma_2b_shaped_model():
     # every layer and the full 256k vocabulary, abstract shapes only; 1 and 2 layers compiled, extrapolated to 18
     _agree(GEMMA_2B, TrainSetup(per_device_batch=2, seq_len=512, fsdp=8, backend="cpu"), max_layers=4)

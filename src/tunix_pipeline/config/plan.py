@@ -65,6 +65,9 @@ class HardwareProfile(Strict):
     saved_output_gb: float | None = Field(None, gt=0, description="what of the output root a session saves (GB)")
     disk_source: str = ""  # where the volume figures come from
     note: str = ""
+    # the CPU a run plans on (`plan.hardware: auto`): host memory the planning process already holds (the runtime,
+    # the libraries, the data), which its programs share; memory_gib is what is left of the host for them
+    process_gib: float = Field(0.0, ge=0)
     # another estimate of SFT on this machine (a seed's), printed beside the plan's examples per session; it sizes nothing
     quoted_estimate: str = ""
     # another figure for GRPO on this machine (a seed's), printed beside the plan's completions an hour; it sizes nothing

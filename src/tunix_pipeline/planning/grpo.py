@@ -45,7 +45,7 @@ from tunix_pipeline.planning import grpo_xla, judge
 from tunix_pipeline.planning.decode import decode_line, decode_step, kv_cache_bytes
 from tunix_pipeline.planning.grpo_shapes import decode_program_bytes, rollout_setup, update_setup
 from tunix_pipeline.planning.memory import GIB, TrainSetup, estimate_memory, reference_bytes
-from tunix_pipeline.planning.plan import Plan, Row, size
+from tunix_pipeline.planning.plan import Plan, Row, process_peak_gib, size
 from tunix_pipeline.planning.polish import PlannedStage
 from tunix_pipeline.planning.scoring import generation_bytes
 from tunix_pipeline.stages import GRPO
@@ -118,6 +118,7 @@ def stage_row(plan: Plan, row: Row, grpo: GrpoParams, params: PlanParams, sessio
         "reference_gib": round(reference / GIB, 3),
         "usable_memory_gib": round(row.usable_bytes / GIB, 3),
         "fits": max(generation, update, screen) <= row.usable_bytes,
+        "process_peak_gib": process_peak_gib(hw, max(generation, update, screen)),
         "decode_step": step_x,
         "mfu": mfu,
         "generation_seconds": None if decode_seconds is None else prefill_seconds + decode_seconds,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import jax
+import psutil
 
 from tunix_pipeline.config import HardwareProfile, PlanParams, RuntimeParams
 from tunix_pipeline.planning.memory import GIB
@@ -17,10 +18,12 @@ def detect_profile(plan: PlanParams, runtime: RuntimeParams | None = None) -> tu
     n = len(devices)
     if kind == "cpu":
         base = plan.profiles.get("cpu") or HardwareProfile(kind="cpu", devices=n, memory_gib=1, peak_tflops=0.02)
-        total = _host_memory_bytes()
-        memory = total / n / GIB if total else base.memory_gib
+        # the devices' programs share the host's memory with this process: what it holds now is not theirs
+        total, held = _host_memory_bytes(), psutil.Process().memory_info().rss
+        memory = (total - held) / n / GIB if total else base.memory_gib
         per_device_peak = base.peak_tflops * base.devices / n
-        return "cpu", base.model_copy(update={"devices": n, "memory_gib": memory, "peak_tflops": per_device_peak})
+        return "cpu", base.model_copy(update={"devices": n, "memory_gib": memory, "peak_tflops": per_device_peak,
+                                              "process_gib": held / GIB if total else 0.0})
     device_kind = getattr(devices[0], "device_kind", kind)
     stats = devices[0].memory_stats() or {}
     match = _match(plan, kind, device_kind, n)

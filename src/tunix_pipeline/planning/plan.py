@@ -100,6 +100,7 @@ class Plan:
             "memory_from": s.compiled_by if s.compiled_peak is not None else "estimate",
             "estimated_memory_per_device_gib": round(s.memory.peak / GIB, 3),
             "usable_memory_gib": round(s.usable_bytes / GIB, 3),
+            "process_peak_gib": process_peak_gib(s.hw, s.peak),
             "memory_fraction": round(s.memory_fraction, 4),
             "memory": s.memory.as_dict(),
             "step_seconds": s.step_seconds,
@@ -322,6 +323,12 @@ def make_plan(job: Job, plan: PlanParams, selected: tuple[str, HardwareProfile],
         },
         goodput=useful,
     )
+
+
+def process_peak_gib(hw: HardwareProfile, per_device: float) -> float | None:
+    """On the CPU the run plans on (`plan.hardware: auto`), the process's resident memory with `per_device` bytes
+    on each of its devices: what it held when planned beside its devices' programs; None elsewhere."""
+    return round(hw.process_gib + hw.devices * per_device / GIB, 3) if hw.process_gib else None
 
 
 def _price(row: Row, plan: PlanParams) -> float:

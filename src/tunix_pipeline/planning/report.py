@@ -6,7 +6,7 @@ from tunix_pipeline.planning import scoring
 from tunix_pipeline.planning.goodput import hours_text as _hours
 from tunix_pipeline.planning.goodput import markdown_lines as goodput_lines
 from tunix_pipeline.planning.memory import GIB
-from tunix_pipeline.planning.plan import Plan, Row, size
+from tunix_pipeline.planning.plan import Plan, Row, process_peak_gib, size
 from tunix_pipeline.planning.polish import stage_planning
 from tunix_pipeline.stages import POLISH
 
@@ -53,6 +53,8 @@ def _header(plan: Plan) -> list[str]:
         f"{s.setup.data}x{s.setup.fsdp}x{s.setup.tp}): {status} — {size(s.peak)} per device of "
         f"{size(s.usable_bytes)} usable"
         + (f" ({s.compiled_by}'s figure for the compiled step; the estimate says {size(m.peak)})" if s.compiled_peak is not None else "")
+        + (f"; the process held {s.hw.process_gib:.2f} GiB of the host when planned, so it peaks at about "
+           f"{process_peak_gib(s.hw, s.peak):.2f} GiB resident" if s.hw.process_gib else "")
         + f"; {_hours(s.hours)}, {_money(s.cost)}.",
         "",
         "| per device | estimate |",
