@@ -227,6 +227,35 @@ def test_grpo_with_lora_trains_only_adapters_without_a_reference(tiny_model_dir,
 
 
 @pytest.mark.slow
+def test_grpo_with_a_reference_holds_one_copy_of_the_base_weights(tiny_model_dir, tokenizer, formatted, tmp_path,
+                                                                   monkeypatch):
+    """LoRA with a reference, one update a batch: the actor, its reference and the rollout read one array a base
+    weight; Tunix's cluster does not keep another copy of the model for the old policy nothing asks for."""
+    from tunix.rl import rl_cluster as rl_cluster_lib
+
+    from tunix_pipeline.models import apply_lora, load_model
+
+    clusters = []
+    built = rl_cluster_lib.RLCluster.__init__
+
+    def kept(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        clusters.append(self)
+
+    monkeypatch.setattr(rl_cluster_lib.RLCluster, "__init__", kept)
+    mesh = make_mesh(MESH)
+    model, _ = load_model(tiny_model_dir, mesh, "float32")
+    model = apply_lora(model, LoraParams(rank=2, alpha=4.0), mesh)
+    params = _params(tmp_path, beta=0.04, max_steps=2, checkpoint_every=2, max_prompts=4)
+    result = grpo.train_grpo(model, tokenizer, grpo.prepare(formatted, tokenizer, params, mesh), params, mesh)
+    assert result["latest_step"] == 2 and result["reference_model"]
+    (cluster,) = clusters  # still alive: whatever it holds is still live
+    embedding = model.embedder.input_embedding[...]
+    copies = [a for a in jax.live_arrays() if a.shape == embedding.shape and a is not embedding]
+    assert cluster._anchor_policy_state is None and not copies, [a.sharding for a in copies]
+
+
+@pytest.mark.slow
 def test_micro_batches_make_the_same_step_as_the_whole_batch(tiny_model_dir, tokenizer, formatted, tmp_path):
     """4 prompts x 2 completions: log-probs and gradients over micro-batches of 2 prompts, accumulated,
     against all 8 completions at once. Generation runs the whole batch either way (same completions)."""

@@ -135,6 +135,22 @@ def keep_frozen_weights_in(trainer) -> None:
     trainer.jit_train_and_eval_step = jit_train_and_eval_step
 
 
+def no_anchor_copy(cluster) -> None:
+    """Tunix's `RLCluster` keeps a copy of every actor weight in pinned host memory (its "anchor policy", taken when it
+    is built and at each `sync_weights`), read only for the old policy's log-probabilities, which its learners ask for
+    when `num_iterations > 1`. On a CPU that memory is the devices' own: a second copy of the whole model beside the
+    rollouts and the update (1 GiB for Gemma 3 270M). For a run of one iteration a batch it is dropped each time it
+    is taken."""
+    sync = cluster.sync_weights
+
+    def sync_weights():
+        sync()
+        cluster._anchor_policy_state = None
+
+    cluster._anchor_policy_state = None
+    cluster.sync_weights = sync_weights
+
+
 # ---------------------------------------------------------------- DPO trainer: no SimPO, no precomputed reference …
 @functools.cache
 def preference_trainer_class(reference_logps):
