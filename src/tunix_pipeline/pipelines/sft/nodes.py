@@ -30,7 +30,6 @@ from tunix_pipeline.planning import (
 )
 from tunix_pipeline.planning.disk import add_disk, disk_sessions, plan_disk
 from tunix_pipeline.planning.grpo import refusal as grpo_refusal
-from tunix_pipeline.planning.plan import process_peak_gib
 from tunix_pipeline.planning.scoring import add_scoring
 from tunix_pipeline.planning.scoring import refusal as scoring_refusal
 from tunix_pipeline.stages import GRPO, PREFERENCE, SFT, StageResult
@@ -138,17 +137,18 @@ def check_sft_fits(
     log.info("plan: %s on %s: %.2f GiB of %.2f GiB per device, about %.1f h, %s tokens/s%s%s",
              result.status, result.selected.profile, result.selected.peak / 2**30,
              result.selected.usable_bytes / 2**30, result.selected.hours, f"{result.goodput['tokens_per_sec']:,.0f}",
-             "" if useful is None else f" ({useful:,.0f} of them useful)", _process_line(result))
+             "" if useful is None else f" ({useful:,.0f} of them useful)",
+             _process_line(summary, result.selected.hw.process_gib))
     return base_model, summary
 
 
-def _process_line(plan) -> str:
-    """On the CPU the run plans on: the process's resident peak in each stage planned, its programs beside what it
-    held when planned."""
-    held = plan.selected.hw.process_gib
-    if not held:
+def _process_line(summary: dict, held: float) -> str:
+    """On the CPU the run plans on: the process's resident peak in each stage planned (`summary`'s), its programs
+    beside the `held` GiB it held when planned."""
+    if summary["process_peak_gib"] is None:
         return ""
-    peaks = [f"{SFT.name} {process_peak_gib(plan.selected.hw, plan.selected.peak):.1f}"] + [
-        f"{name} {section['selected']['process_peak_gib']:.1f}" for name, section in plan.polish.items()
-        if section["selected"].get("process_peak_gib") is not None]
-    return f"; the process about {', '.join(peaks)} GiB resident ({held:.1f} held before its programs)"
+    peaks = {SFT.name: summary["process_peak_gib"], **{
+        name: section["selected"].get("process_peak_gib") for name, section in summary.items()
+        if isinstance(section, dict) and isinstance(section.get("selected"), dict)}}
+    text = ", ".join(f"{name} {gib:.1f}" for name, gib in peaks.items() if gib is not None)
+    return f"; the process about {text} GiB resident ({held:.1f} held before its programs)"
