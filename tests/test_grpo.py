@@ -1,5 +1,6 @@
 """GRPO with Tunix on the tiny model: data feed, variants, short runs (full weights and LoRA), resume."""
 
+import functools
 import gc
 import itertools
 import json
@@ -255,6 +256,52 @@ def test_grpo_with_a_reference_holds_one_copy_of_the_base_weights(tiny_model_dir
     embedding = model.embedder.input_embedding[...]
     copies = [a for a in jax.live_arrays() if a.shape == embedding.shape and a is not embedding]
     assert cluster._anchor_policy_state is None and not copies, [a.sharding for a in copies]
+
+
+@pytest.mark.slow
+def test_the_plan_compiles_the_update_the_run_compiles(tiny_model_dir, tokenizer, formatted, tmp_path, monkeypatch):
+    """The plan's GRPO update (`planning.grpo_xla`) is the run's program: LoRA with a reference, the update split into
+    micro-batches (accumulated by `optax.MultiSteps`), the loss's logged metrics kept (the token entropy over the whole
+    vocabulary among them). XLA:CPU gives both the same temporaries; a plan that left out what the run keeps planned
+    the real 270M's update 1.3 GiB short (benchmarks/RESULTS.md, section 48)."""
+    from tunix_pipeline.core.runtime import step_compiler_options
+    from tunix_pipeline.models import apply_lora, load_model
+    from tunix_pipeline.models.architecture import from_hf_config
+    from tunix_pipeline.planning import grpo_xla
+    from tunix_pipeline.planning.memory import TrainSetup
+
+    steps = []
+    build = upstream.frozen_weights_in_only
+
+    def recorded(train_step, model, optimizer):  # the run's jitted step, with what it was called on
+        step = build(train_step, model, optimizer)
+
+        def call(inputs):
+            steps.append((step.func.jitted_fn, model, optimizer, inputs))
+            return step(inputs)
+
+        call.jitted_fn = step.func.jitted_fn
+        return functools.partial(call)
+
+    monkeypatch.setattr(upstream, "frozen_weights_in_only", recorded)
+    mesh, lora = make_mesh(MESH), LoraParams(rank=2, alpha=4.0)
+    model, _ = load_model(tiny_model_dir, mesh, "float32")
+    model = apply_lora(model, lora, mesh)
+    params = _params(tmp_path, beta=0.04, max_steps=1, checkpoint_every=1, max_prompts=4, num_generations=4,
+                     micro_batch_size=1)
+    grpo.train_grpo(model, tokenizer, grpo.prepare(formatted, tokenizer, params, mesh), params, mesh)
+    jitted, actor, optimizer, inputs = steps[-1]
+    _, frozen, opt_state, rest = nnx.split((actor, optimizer), upstream.FROZEN, nnx.optimizer.OptState, ...)
+    with upstream.completion_logits_only(), mesh:  # as the run traced it
+        run = jitted.lower(frozen, opt_state, rest, inputs).compile(compiler_options=step_compiler_options())
+    arch = from_hf_config(json.loads((tiny_model_dir / "config.json").read_text()))
+    setup = TrainSetup(per_device_batch=1, seq_len=params.max_prompt_length + params.max_completion_length,
+                       fsdp=4, tp=2, backend="cpu", mode="lora", lora_rank=lora.rank)
+    plan = grpo_xla.lower_update_step(arch, setup, params, arch.num_layers, lora, jax.devices())
+    plan = plan.compile(compiler_options=step_compiler_options())
+    figures = [{k: getattr(c.memory_analysis(), f"{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp")}
+               for c in (plan, run)]
+    assert figures[0] == figures[1]
 
 
 @pytest.mark.slow

@@ -145,5 +145,7 @@ def test_every_familys_activation_shardings_reach_the_tpu_compile(name):
             return jax.jit(forward).lower(state, jnp.zeros((rows, length), jnp.int32)).as_text().count("sharding_constraint")
 
     without = constraints()
-    with accelerator_sharding():
+    with accelerator_sharding("cpu"):  # a CPU program, as a CPU run's: none
+        assert constraints() == without
+    with accelerator_sharding("tpu"):
         assert constraints() > without, name

@@ -8,11 +8,12 @@ attached TPU), or for this CPU when the run is planned on it: abstract shapes, n
   whole on each data-parallel chip with `runtime.decode_weights: gathered` (the sampler gathers it once
   a call: `generation.gathers_weights`); the cache is split over the data-parallel axes as the
   model's activations are.
-- **update**: the actor's train step (one micro-batch's, with `grpo.micro_batch_size`): Tunix's
-  registered policy loss for `grpo.loss_variant` (`GRPOLearner`'s `loss_fn`) on a `TrainExample`
-  carrying the reference's and, with
-  `num_iterations > 1`, the old policy's log-probabilities, its gradient with respect to what is
-  trained (the LoRA adapters, or every weight) and `optim.make_optimizer`'s update, optimizer state donated.
+- **update**: the actor's train step (one micro-batch's, with `grpo.micro_batch_size`), the run's own
+  program: Tunix's `PeftTrainer._train_step` with the registered policy loss for `grpo.loss_variant`
+  (`GRPOLearner`'s `loss_fn`, its logged metrics kept) on a `TrainExample` carrying the reference's and, with
+  `num_iterations > 1`, the old policy's log-probabilities, its gradient with respect to what is trained (the
+  LoRA adapters, or every weight) and `make_optimizer`'s update (accumulated over the micro-batches), jitted as
+  the run jits it, optimizer state donated.
 
 `memory_analysis()` gives the bytes per chip and `cost_analysis()` the FLOPs and the bytes accessed per
 chip (the decode step's roofline: `planning.grpo`). A deep model's decode step is compiled at two and three
@@ -25,13 +26,16 @@ from __future__ import annotations
 import functools
 import re
 import time
+import types
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 from tunix.generate import sampler as tunix_sampler
 from tunix.rl import function_registry
 from tunix.rl.grpo.grpo_learner import TrainExample
+from tunix.sft import peft_trainer
 
 from tunix_pipeline.config import GrpoParams, JudgeParams
 from tunix_pipeline.core.runtime import BATCH_AXES, whole_over_batch
@@ -42,7 +46,8 @@ from tunix_pipeline.planning.grpo_shapes import decode_program_bytes, rollout_se
 from tunix_pipeline.planning.memory import GIB, TrainSetup, estimate_memory
 from tunix_pipeline.planning.xla import abstract, abstract_policy, measure
 from tunix_pipeline.train.loop import make_optimizer
-from tunix_pipeline.upstream import accelerator_sharding, algorithm, completion_logits_only
+from tunix_pipeline.upstream import (FROZEN, accelerator_sharding, algorithm, completion_logits_only,
+                                     frozen_weights_in_only)
 
 
 def _rows(mesh, sequences: int, shape: tuple, dtype):
@@ -76,7 +81,7 @@ def compile_decode_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
         logits, cache = nnx.merge(graph, state)(tokens, positions=positions, cache=cache, attention_mask=mask)
         return logits, cache
 
-    with accelerator_sharding(), mesh:
+    with accelerator_sharding(devices[0].platform), mesh:
         lowered = jax.jit(decode, donate_argnums=(1,)).lower(
             state, cache, _rows(mesh, sequences, (sequences, 1), jnp.int32),
             _rows(mesh, sequences, (sequences, 1), jnp.int32), _rows(mesh, sequences, (sequences, 1, cache_size), jnp.bool_),
@@ -87,40 +92,51 @@ def compile_decode_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams,
 def compile_update_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams, layers: int, lora, devices) -> dict:
     """The actor's GRPO train step at batch x G sequences of prompt + completion tokens, bytes and FLOPs per chip."""
     started = time.perf_counter()
-    mesh, model, optimizer, wrt = abstract_policy(arch, setup, layers, lora, devices, make_optimizer(grpo, grpo.max_steps))
-    graph, trained, frozen = nnx.split(model, wrt, ...)
-    opt_graph, opt_state = nnx.split(optimizer)
+    return measure(lower_update_step(arch, setup, grpo, layers, lora, devices), started, layers, devices,
+                   "GRPO's update")
+
+
+def lower_update_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams, layers: int, lora, devices):
+    """The run's update program, lowered on abstract shapes: Tunix's own `PeftTrainer._train_step` with
+    `GRPOLearner`'s loss, so it keeps what the run's keeps (the loss's logged metrics, the token entropy over the
+    whole vocabulary among them, and the gradient's norm), the optimizer wrapped for accumulation as Tunix wraps it
+    when the update is split into micro-batches, the frozen weights an input only (`upstream.frozen_weights_in_only`)."""
+    tx = make_optimizer(grpo, grpo.max_steps)
+    if grpo.micro_batch_size:  # RLCluster: mini_batch_size // train_micro_batch_size steps a batch
+        tx = optax.MultiSteps(tx, grpo.batch_size // grpo.micro_batch_size)
+    mesh, model, optimizer, wrt = abstract_policy(arch, setup, layers, lora, devices, tx)
+    nnx.update((model, optimizer), abstract(nnx.state((model, optimizer)), mesh))  # sharded as the trainer's
     algo_config, _ = algorithm(grpo)
     algo_config.temperature = grpo.temperature  # as GRPOLearner sets it from the rollout config
     policy_loss = function_registry.get_policy_loss_fn(algo_config.policy_loss_fn)
+    # what GRPOLearner gives its actor's trainer (`with_loss_fn`, `with_gen_model_input_fn`); the trainer's own
+    # state is not read by the step
+    trainer = types.SimpleNamespace(
+        loss_fn=lambda model, train_example, algo_config: policy_loss(
+            model, train_example, algo_config=algo_config, pad_id=0, eos_id=1),
+        gen_model_input_fn=lambda x: {"train_example": x, "algo_config": algo_config},
+        _has_aux=True, _lora_enabled=wrt is nnx.LoRAParam,
+    )
     # one micro-batch (grpo.micro_batch_size) when the update is split; the whole batch otherwise
     s = (grpo.micro_batch_size or grpo.batch_size) * grpo.num_generations
     p, c = grpo.max_prompt_length, grpo.max_completion_length
     logps = _rows(mesh, s, (s, c), jnp.float32)
     example = TrainExample(
-        prompt_ids=_rows(mesh, s, (s, p), jnp.int32), prompt_mask=_rows(mesh, s, (s, p), jnp.int32),
-        completion_ids=_rows(mesh, s, (s, c), jnp.int32), completion_mask=_rows(mesh, s, (s, c), jnp.int32),
+        prompt_ids=_rows(mesh, s, (s, p), jnp.int32), prompt_mask=_rows(mesh, s, (s, p), jnp.bool_),
+        completion_ids=_rows(mesh, s, (s, c), jnp.int32), completion_mask=_rows(mesh, s, (s, c), jnp.bool_),
         advantages=_rows(mesh, s, (s,), jnp.float32),
         ref_per_token_logps=logps if algo_config.beta else None,
         old_per_token_logps=logps if grpo.num_iterations > 1 else None,
     )
 
-    def train_step(trained, frozen, opt_state, example):  # Tunix's PeftTrainer step with GRPOLearner's loss
-        model = nnx.merge(graph, trained, frozen)
-        opt = nnx.merge(opt_graph, opt_state)
-
-        def loss_fn(model):
-            return policy_loss(model, example, algo_config=algo_config, pad_id=0, eos_id=1)
-
-        (loss, _), grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)(model)
-        opt.update(model, grads)
-        return loss, nnx.state(model, wrt), nnx.state(opt)
-
-    with accelerator_sharding(), completion_logits_only(), mesh:  # as `grpo.train_grpo` runs it
-        lowered = jax.jit(train_step, donate_argnums=(2,)).lower(
-            abstract(trained, mesh), abstract(frozen, mesh), abstract(opt_state, mesh), example
-        )
-        return measure(lowered, started, layers, devices, "GRPO's update")
+    step = functools.partial(peft_trainer.PeftTrainer._train_step, trainer)  # noqa: SLF001 - Tunix's step body
+    # GRPO's programs compile for this CPU only to plan a run on it (`xla.compile_target`): without the sharding
+    # constraints a CPU run drops
+    with accelerator_sharding(devices[0].platform), completion_logits_only(), mesh:  # as `grpo.train_grpo` runs it
+        if trainer._lora_enabled:  # jitted as the run jits it
+            jitted = frozen_weights_in_only(step, model, optimizer).func.jitted_fn
+            return jitted.lower(*nnx.split((model, optimizer), FROZEN, nnx.optimizer.OptState, ...)[1:], example)
+        return nnx.jit(step, donate_argnames=("optimizer",)).lower(model, optimizer, example)  # Tunix's own jit
 
 
 def compile_judge_call(arch: Architecture, setup: TrainSetup, judge: JudgeParams, layers: int, devices) -> dict:

@@ -51,7 +51,7 @@ from flax import nnx
 from jax.experimental import topologies
 
 from tunix_pipeline.config import LoraParams, RuntimeParams, SftParams
-from tunix_pipeline.core.runtime import BATCH_AXES, make_mesh
+from tunix_pipeline.core.runtime import BATCH_AXES, make_mesh, step_compiler_options
 from tunix_pipeline.data.tokenization import TOKEN_COLUMNS
 from tunix_pipeline.models.architecture import Architecture, PlanError, from_hf_config
 from tunix_pipeline.models.families import family_for
@@ -147,8 +147,12 @@ def measure(lowered, started: float, layers: int, devices, what: str) -> dict:
     arguments + outputs - aliases + temporaries) and cost_analysis() FLOPs and bytes accessed per device (the
     program is partitioned); read back instead when the same program was compiled before (`compiled_figures`)."""
     platform = devices[0].platform
-    # XLA:CPU assigns buffers before LLVM runs: skipping its optimisations changes no figure, only the wait
-    options = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True} if platform == "cpu" else None
+    # XLA:CPU assigns buffers before LLVM runs: skipping its optimisations changes no figure, only the wait (the GSM8K
+    # CPU recipe's GRPO update: the run's 8,635,393,220 bytes of temporaries); the run's own options (which dots and
+    # reductions YNNPACK fuses) do change them, so a CPU program is compiled with them
+    options = None
+    if platform == "cpu":
+        options = {**step_compiler_options(), "xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
     entry = compiled_figures.key(lowered, options, devices)
     kept = compiled_figures.read(entry)  # raises XLA:TPU's refusal again, as compiling would
     if kept is not None:

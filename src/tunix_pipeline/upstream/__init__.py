@@ -358,9 +358,13 @@ SHARD_MODULES = (
 
 
 @contextlib.contextmanager
-def accelerator_sharding():
-    """Tunix's `shard(x, spec)` applies its sharding constraint on the CPU too, while this is active (the plan
-    compiles for a TPU topology from a CPU host, and the TPU program must carry the constraints)."""
+def accelerator_sharding(platform: str = "tpu"):
+    """Tunix's `shard(x, spec)` applies its sharding constraint on the CPU too, while this is active, for a run on
+    `platform` "tpu" or "gpu" (the plan compiles for a TPU topology, or stands the CPU in for a GPU, from a CPU host,
+    and the program must carry the run's constraints); for a run on "cpu" nothing changes: it drops them."""
+    if platform == "cpu":
+        yield
+        return
     def shard(x, spec, eager=False):  # `sharding_utils.shard` may also be asked to place an array now (eager)
         mesh = pxla.thread_resources.env.physical_mesh
         if mesh.empty:
