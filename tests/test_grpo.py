@@ -263,7 +263,7 @@ def test_the_plan_compiles_the_update_the_run_compiles(tiny_model_dir, tokenizer
     """The plan's GRPO update (`planning.grpo_xla`) is the run's program: LoRA with a reference, the update split into
     micro-batches (accumulated by `optax.MultiSteps`), the loss's logged metrics kept (the token entropy over the whole
     vocabulary among them). XLA:CPU gives both the same temporaries; a plan that left out what the run keeps planned
-    the real 270M's update 1.3 GiB short (benchmarks/RESULTS.md, section 48)."""
+    the real 270M's update 1.26 GiB short (benchmarks/RESULTS.md, section 48)."""
     from tunix_pipeline.core.runtime import step_compiler_options
     from tunix_pipeline.models import apply_lora, load_model
     from tunix_pipeline.models.architecture import from_hf_config
