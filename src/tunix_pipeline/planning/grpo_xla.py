@@ -42,7 +42,7 @@ from tunix_pipeline.core.runtime import BATCH_AXES, whole_over_batch
 from tunix_pipeline.models.architecture import Architecture
 from tunix_pipeline.planning import compiled_figures, judge, xla
 from tunix_pipeline.planning import judge as judge_lib
-from tunix_pipeline.planning.grpo_shapes import decode_program_bytes, rollout_setup, update_setup
+from tunix_pipeline.planning.grpo_shapes import decode_program_bytes, micro_batches, rollout_setup, update_setup
 from tunix_pipeline.planning.memory import GIB, TrainSetup, estimate_memory
 from tunix_pipeline.planning.xla import abstract, abstract_policy, measure
 from tunix_pipeline.train.loop import make_optimizer
@@ -102,8 +102,8 @@ def lower_update_step(arch: Architecture, setup: TrainSetup, grpo: GrpoParams, l
     whole vocabulary among them, and the gradient's norm), the optimizer wrapped for accumulation as Tunix wraps it
     when the update is split into micro-batches, the frozen weights an input only (`upstream.frozen_weights_in_only`)."""
     tx = make_optimizer(grpo, grpo.max_steps)
-    if grpo.micro_batch_size:  # RLCluster: mini_batch_size // train_micro_batch_size steps a batch
-        tx = optax.MultiSteps(tx, grpo.batch_size // grpo.micro_batch_size)
+    if grpo.micro_batch_size:  # RLCluster sets mini_batch_size // train_micro_batch_size steps, PeftTrainer wraps
+        tx = optax.MultiSteps(tx, micro_batches(grpo))
     mesh, model, optimizer, wrt = abstract_policy(arch, setup, layers, lora, devices, tx)
     nnx.update((model, optimizer), abstract(nnx.state((model, optimizer)), mesh))  # sharded as the trainer's
     algo_config, _ = algorithm(grpo)
