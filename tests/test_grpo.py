@@ -232,19 +232,31 @@ def test_grpo_with_lora_trains_only_adapters_without_a_reference(tiny_model_dir,
 def test_grpo_with_a_reference_holds_one_copy_of_the_base_weights(tiny_model_dir, tokenizer, formatted, tmp_path,
                                                                    monkeypatch):
     """LoRA with a reference, one update a batch: the actor, its reference and the rollout read one array a base
-    weight; Tunix's cluster does not keep another copy of the model for the old policy nothing asks for."""
+    weight; Tunix's cluster does not keep another copy of the model for the old policy nothing asks for; on the CPU
+    each update starts with the host memory the rollout freed handed back."""
     from tunix.rl import rl_cluster as rl_cluster_lib
 
     from tunix_pipeline.models import apply_lora, load_model
 
-    clusters = []
-    built = rl_cluster_lib.RLCluster.__init__
+    clusters, events = [], []
+    built, update, hand_back = (rl_cluster_lib.RLCluster.__init__, rl_cluster_lib.RLCluster.update_actor,
+                                upstream.hand_back_host_memory)
 
     def kept(self, *args, **kwargs):
         built(self, *args, **kwargs)
         clusters.append(self)
 
+    def updated(self, *args, **kwargs):
+        events.append("update")
+        return update(self, *args, **kwargs)
+
+    def handed_back():
+        events.append("hand back")
+        hand_back()
+
     monkeypatch.setattr(rl_cluster_lib.RLCluster, "__init__", kept)
+    monkeypatch.setattr(rl_cluster_lib.RLCluster, "update_actor", updated)
+    monkeypatch.setattr(upstream, "hand_back_host_memory", handed_back)
     mesh = make_mesh(MESH)
     model, _ = load_model(tiny_model_dir, mesh, "float32")
     model = apply_lora(model, LoraParams(rank=2, alpha=4.0), mesh)
@@ -256,6 +268,7 @@ def test_grpo_with_a_reference_holds_one_copy_of_the_base_weights(tiny_model_dir
     embedding = model.embedder.input_embedding[...]
     copies = [a for a in jax.live_arrays() if a.shape == embedding.shape and a is not embedding]
     assert cluster._anchor_policy_state is None and not copies, [a.sharding for a in copies]
+    assert events == ["hand back", "update"] * 2
 
 
 @pytest.mark.slow

@@ -4,9 +4,11 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import mlflow
+import numpy as np
 import pytest
 from kedro.framework.session import KedroSession
 from kedro.framework.startup import bootstrap_project
@@ -158,6 +160,35 @@ def test_kedro_viz_build_shows_every_pipeline_with_layers(project):
     layers = default["layers"]  # kedro-viz orders them by the data flow
     assert set(layers) == {"intermediate", "primary", "model_input", "models", "model_output", "reporting"}
     assert layers[:4] == ["intermediate", "primary", "model_input", "models"]
+
+
+def _resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_training_stage_starts_with_the_memory_earlier_nodes_freed_handed_back():
+    """A run's nodes share one process, and each training stage starts with `runtime.hand_back_host_memory`
+    (`RuntimeHooks`): a model an earlier stage left in a reference cycle is collected, and the blocks freed into
+    glibc's heap go back to the system (in the GSM8K CPU recipe's whole DAG, GRPO then starts at 1.31 GiB resident
+    instead of 3.25)."""
+    from tunix_pipeline.core import runtime
+
+    class Stage:
+        pass
+
+    stage = Stage()
+    stage.itself, stage.weights = stage, np.ones(2**25, np.float32)  # 128 MiB held only by a cycle
+    left = weakref.ref(stage)
+    del stage
+    kept, freed = [], []
+    for _ in range(3000):  # 100 KB blocks come from glibc's heap (under its mmap threshold): 286 MiB of holes
+        freed.append(np.full(25_000, 1.0, np.float32))
+        kept.append(np.full(64, 1.0, np.float32))
+    freed.clear()
+    before = _resident_bytes()
+    runtime.hand_back_host_memory()
+    assert left() is None
+    assert before - _resident_bytes() > 328 * 2**20  # both: the cycle's 128 MiB and most of the holes
 
 
 def test_a_mesh_that_does_not_fit_fails_before_any_node_runs(project):

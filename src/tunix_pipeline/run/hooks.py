@@ -122,7 +122,8 @@ class OutputRootHooks:
 
 
 class RuntimeHooks:
-    """JAX's devices before any node; the mesh and the shared checkpoint folders checked before the first node."""
+    """JAX's devices before any node; the mesh and the shared checkpoint folders checked before the first node; host
+    memory handed back before each training stage."""
 
     def __init__(self):
         self._params: dict = {}
@@ -146,6 +147,13 @@ class RuntimeHooks:
         # multi-host: a checkpoint folder that is not shared stops the run in seconds, not in Orbax after minutes
         runtime.check_shared_folders(runtime.orbax_folders(self._params, (node.name for node in pipeline.nodes)),
                                      self._runtime.shared_folder_timeout_s)
+
+    @hook_impl
+    def before_node_run(self, node) -> None:
+        from tunix_pipeline.core import runtime  # start-up (core/__init__.py): JAX
+
+        if node.name in TRAINING_NODES:  # the nodes share one process: a stage starts without what the ones before
+            runtime.hand_back_host_memory()  # it freed or left in reference cycles
 
 
 class PreflightHooks:

@@ -149,6 +149,7 @@ def train_grpo(
         upstream.keep_frozen_weights_in(cluster.actor_trainer)
         if algo_config.num_iterations == 1:  # the old policy's log-probabilities are never read
             upstream.no_anchor_copy(cluster)
+        upstream.host_memory_back_before_updates(cluster)
         start_step = cluster.actor_trainer.train_steps
         history = checkpoints.load_history(root, start_step, HISTORY_FILE)
         if dev:  # its curve beside the reward history; the checkpoints it keeps are the actor's

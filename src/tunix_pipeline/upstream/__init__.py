@@ -27,7 +27,7 @@ from tunix.sft import peft_trainer
 from tunix.sft.dpo import dpo_trainer
 
 from tunix_pipeline.config import GrpoParams
-from tunix_pipeline.core.runtime import shard_rows, step_compiler_options
+from tunix_pipeline.core.runtime import hand_back_host_memory, shard_rows, step_compiler_options
 from tunix_pipeline.tracking.step_metrics import MlflowBackend
 from tunix_pipeline.upstream.event_loops import loops_finish_their_tasks  # noqa: F401
 from tunix_pipeline.upstream.generation import Sampler, grouped_rollout, in_groups  # noqa: F401
@@ -149,6 +149,22 @@ def no_anchor_copy(cluster) -> None:
 
     cluster._anchor_policy_state = None
     cluster.sync_weights = sync_weights
+
+
+def host_memory_back_before_updates(cluster) -> None:
+    """On a CPU, each actor update (Tunix's cluster makes one a rollout micro-batch) starts with the host memory the
+    rollout freed handed back (`runtime.hand_back_host_memory`): XLA:CPU's buffers are the process's own, and
+    glibc keeps what was freed beside the update's temporaries. The GSM8K CPU recipe's update: 3.97 GiB resident
+    before it and 13.21 at its peak without, 3.05 and 12.31 with."""
+    if jax.default_backend() != "cpu":  # device memory is XLA's own there; a collection each micro-batch costs time
+        return
+    update = cluster.update_actor
+
+    def update_actor(*args, **kwargs):
+        hand_back_host_memory()
+        return update(*args, **kwargs)
+
+    cluster.update_actor = update_actor
 
 
 # ---------------------------------------------------------------- DPO trainer: no SimPO, no precomputed reference …
