@@ -1,6 +1,6 @@
 """Process-level JAX set-up (before JAX picks its devices), the compiler options of train steps, host memory handed
-back between stages, the device mesh and each process's share of a batch, and the check that every process of a multi-host run shares the
-checkpoint folders (the processes' other joint work, barriers and the like: `processes`)."""
+back between stages, the device mesh and each process's share of a batch, and the check that every process of a
+multi-host run shares the checkpoint folders (the processes' other joint work, barriers and the like: `processes`)."""
 
 from __future__ import annotations
 
