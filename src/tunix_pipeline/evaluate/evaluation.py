@@ -44,7 +44,7 @@ from matplotlib.figure import Figure
 
 from tunix_pipeline.config import EvaluateParams
 from tunix_pipeline.core.paths import is_uri
-from tunix_pipeline.core.runtime import process_rows, shard_rows
+from tunix_pipeline.core.runtime import hand_back_host_memory, process_rows, shard_rows
 from tunix_pipeline.data.answers import answers_match, clean, normal, readings
 from tunix_pipeline.data.formatting import is_open_ended
 from tunix_pipeline.evaluate.significance import mcnemar, wilson_interval
@@ -352,6 +352,7 @@ class Evaluator:
         `earlier`: rows another evaluation scored, whose generations are taken as they are where they have the same
         `scored_by` and prompts (greedy decoding of the same weights and settings writes the same texts)."""
         metrics: dict = {"eval_loss": None, "eval_perplexity": None, "eval_tokens": 0}
+        hand_back_host_memory()  # each model scored starts without what scoring the one before it freed
         if len(self.eval_tokens):
             loss = evaluate_loss(self.model, self.eval_tokens, self.loss_batch_size, self.mesh)
             metrics = {f"eval_{k}": v for k, v in loss.items()}
