@@ -69,13 +69,19 @@ def test_rows_end_on_their_own_with_the_greedy_tokens_of_fixed_batches(lively, t
         moves, halvings = [], []
         shift, compact = sampler._shift_rows, sampler._compact_rows
         sampler._shift_rows = lambda rows, by: moves.append(int(by)) or shift(rows, by)
-        sampler._compact_rows = lambda rows, keep: halvings.append(len(keep)) or compact(rows, keep)
+
+        def compacting(rows, keep):  # the old cache freed as the smaller one is made: never held at both sizes
+            smaller = compact(rows, keep)
+            halvings.append((len(keep), all(x.is_deleted() for x in jax.tree.leaves(rows.state.cache))))
+            return smaller
+
+        sampler._compact_rows = compacting
         # one slot at a time; three (the last lot padded); 8 slots, 2 at a time, halving to 4 at the end
         for batch, refill in ((4, 1), (4, 3), (8, 2)):
             rows = sampler.generate_rows(prompts, batch_size=batch, max_prompt_length=P, max_generation_steps=N,
                                          eos_tokens=stops, refill=refill)
             assert [r.tolist() for r in rows] == expected
-    assert moves and halvings == [4]  # the cache moved back to make room, the batch shrank: the same greedy tokens
+    assert moves and halvings == [(4, True)]  # the cache moved back to make room, the batch shrank: the same greedy tokens
 
 
 def test_a_stop_string_ends_its_row_with_the_token_that_completes_it(lively, tokenizer):

@@ -98,6 +98,12 @@ def test_planned_on_this_cpu_the_devices_share_the_host_with_the_process_and_the
         update={"hardware": "auto"}), RuntimeParams(mesh="auto")).polish[GRPO.name]["selected"]
     assert g["process_peak_gib"] == pytest.approx(
         s.hw.process_gib + s.hw.devices * max(g["update_gib"], g["generation_gib"]), abs=0.01)
+    # the scoring's phases too, each beside what the process held
+    from tunix_pipeline.config import EvaluateParams
+    from tunix_pipeline.planning.scoring import add_scoring
+
+    phase = add_scoring(plan, EvaluateParams(batch_size=4, max_new_tokens=32), 64, None, None).scoring["evaluation"]
+    assert phase["process_peak_gib"] == pytest.approx(s.hw.process_gib + s.hw.devices * phase["gib"], abs=0.01)
     # a profile named with its memory is taken as it is: no process beside it
     assert _plan(ModelParams(), "cpu").summary()["process_peak_gib"] is None
 

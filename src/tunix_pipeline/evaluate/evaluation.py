@@ -356,6 +356,7 @@ class Evaluator:
         if len(self.eval_tokens):
             loss = evaluate_loss(self.model, self.eval_tokens, self.loss_batch_size, self.mesh)
             metrics = {f"eval_{k}": v for k, v in loss.items()}
+            hand_back_host_memory()  # and its generation without what its loss freed (~2 GiB on a 262k vocabulary)
         if (rows := self._scored_before(scored_by, earlier)) is not None:
             log.info("evaluate: %s's %d generations taken from the evaluation that scored them (scored by %s)",
                      label, len(rows), scored_by)

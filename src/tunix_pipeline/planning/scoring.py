@@ -17,7 +17,7 @@ from tunix_pipeline.config import DevEvalParams, EvaluateParams
 from tunix_pipeline.models.architecture import Architecture
 from tunix_pipeline.planning.decode import kv_cache_bytes
 from tunix_pipeline.planning.memory import GIB, TrainSetup, estimate_memory
-from tunix_pipeline.planning.plan import Plan, size
+from tunix_pipeline.planning.plan import Plan, process_peak_gib, size
 
 FIX = {"evaluation": "lower evaluate.batch_size or evaluate.max_new_tokens, or set evaluate.max_prompt_length",
        "dev evaluation": "lower sft.dev_eval.batch_size or sft.dev_eval.max_new_tokens"}
@@ -48,8 +48,9 @@ def add_scoring(plan: Plan, evaluate: EvaluateParams, prompt_length: int | None,
         phases["dev evaluation"] = (m.params + m.optimizer + generation_bytes(
             arch, row.setup, dev_eval.batch_size, dev_prompt_length, dev_eval.max_new_tokens), dev_eval.batch_size,
             dev_prompt_length + 2 * dev_eval.max_new_tokens)
+    # on the CPU the run plans on, the process's resident peak too (what it held when planned beside the phase)
     plan.scoring = {name: {"gib": round(held / GIB, 3), "rows": rows, "cache_positions": positions,
-                           "fits": held <= row.usable_bytes}
+                           "fits": held <= row.usable_bytes, "process_peak_gib": process_peak_gib(row.hw, held)}
                     for name, (held, rows, positions) in phases.items()}
     if not all(p["fits"] for p in plan.scoring.values()):
         plan.status = "over"

@@ -59,7 +59,7 @@ class Sampler(sampler_lib.Sampler):
             self._decode_rows = rows(self._decode_rows_fn, donate_argnums=(1,))
             self._admit_rows = rows(self._admit_rows_fn, donate_argnums=(0,))
             self._shift_rows = jax.jit(self._shift_rows_fn, donate_argnums=(0,))
-            self._compact_rows = jax.jit(self._compact_rows_fn)
+            self._take_rows = jax.jit(lambda x, keep: x[keep])
         self.group_size, self.gather_weights = group_size, gather_weights
         self._stop_tables: dict[tuple[str, ...], tuple] = {}
 
@@ -378,14 +378,21 @@ class Sampler(sampler_lib.Sampler):
                                     decoding_step=state.decoding_step - by)
         return Rows(state, first, rows.end - by, rows.matched)
 
-    def _compact_rows_fn(self, rows: Rows, keep) -> Rows:
-        """The slots `keep` (in that order) alone: a smaller batch."""
+    def _compact_rows(self, rows: Rows, keep) -> Rows:
+        """The slots `keep` (in that order) alone: a smaller batch. The cache is taken a layer's buffer at a time,
+        each old buffer freed once its copy is made, so the cache is never held at both sizes (whole, the first
+        halving held 1.5 caches: the peak of a 3-shot evaluation, benchmarks/RESULTS.md section 50)."""
         def take(x):
-            return x[keep]
+            return self._take_rows(x, keep)
+
+        def take_freeing(x):
+            taken = jax.block_until_ready(take(x))
+            x.delete()
+            return taken
 
         state = rows.state
         state = dataclasses.replace(state, token_buffer=take(state.token_buffer), positions=take(state.positions),
-                                    done=take(state.done), cache=jax.tree.map(take, state.cache))
+                                    done=take(state.done), cache=jax.tree.map(take_freeing, state.cache))
         return Rows(state, take(rows.first), take(rows.end), take(rows.matched))
 
     def _stop_table(self, stop_strings: tuple[str, ...]) -> tuple:

@@ -143,12 +143,13 @@ def check_sft_fits(
 
 
 def _process_line(summary: dict, held: float) -> str:
-    """On the CPU the run plans on: the process's resident peak in each stage planned (`summary`'s), its programs
-    beside the `held` GiB it held when planned."""
+    """On the CPU the run plans on: the process's resident peak in each stage and scoring phase planned
+    (`summary`'s), its programs beside the `held` GiB it held when planned."""
     if summary["process_peak_gib"] is None:
         return ""
     peaks = {SFT.name: summary["process_peak_gib"], **{
         name: section["selected"].get("process_peak_gib") for name, section in summary.items()
-        if isinstance(section, dict) and isinstance(section.get("selected"), dict)}}
+        if isinstance(section, dict) and isinstance(section.get("selected"), dict)},
+        **{name: phase["process_peak_gib"] for name, phase in summary.get("scoring", {}).items()}}
     text = ", ".join(f"{name} {gib:.1f}" for name, gib in peaks.items() if gib is not None)
     return f"; the process about {text} GiB resident ({held:.1f} held before its programs)"
