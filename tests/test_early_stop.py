@@ -81,7 +81,8 @@ def test_rows_end_on_their_own_with_the_greedy_tokens_of_fixed_batches(lively, t
             rows = sampler.generate_rows(prompts, batch_size=batch, max_prompt_length=P, max_generation_steps=N,
                                          eos_tokens=stops, refill=refill)
             assert [r.tolist() for r in rows] == expected
-    assert moves and halvings == [(4, True)]  # the cache moved back to make room, the batch shrank: the same greedy tokens
+    # the cache moved back to make room, the batch shrank (its old cache freed): the same greedy tokens
+    assert moves and halvings == [(4, True)]
 
 
 def test_a_stop_string_ends_its_row_with_the_token_that_completes_it(lively, tokenizer):
