@@ -386,7 +386,7 @@ class Sampler(sampler_lib.Sampler):
             return self._take_rows(x, keep)
 
         def take_freeing(x):
-            taken = jax.block_until_ready(take(x))
+            taken = jax.block_until_ready(take(x))  # the copy made before its source goes
             x.delete()
             return taken
 
